@@ -1,0 +1,160 @@
+"""The golden-output harness: Hugging Face transformers' greedy outputs, stored, and the rule for comparing.
+
+A golden file (tests/golden/<model>.json) holds, for each prompt: the prompt ids, the reference's generated ids
+(greedy, float32, CPU) and, for every generated step, the reference's top-2 logit margin (top1 - top2).
+
+Comparison rule: tokens must be identical. At the first differing step the divergence is accepted only if the
+reference's margin there is below TIE_MARGIN, a genuine tie that float32 rounding in another (correct) summation
+order may flip; after an accepted tie the two continuations are different texts and are not compared further.
+
+    python -m common.golden regenerate [MODEL ...]     rebuild the files from transformers
+    python -m common.golden show MODEL                 print prompts, outputs and the smallest margins
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+GOLDEN_DIR = Path(__file__).resolve().parent.parent / "tests" / "golden"
+GOLDEN_MODELS = ["smollm2-135m-instruct", "tiny-llama", "tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"]
+# float32 logits of these models are O(10); two correct implementations differ by ~1e-5 there.
+TIE_MARGIN = 1e-3
+
+_LONG_TEXT = (
+    "The lighthouse keeper wrote in his log every evening. He noted the wind, the colour of the sea, the ships "
+    "that passed and the birds that rested on the gallery rail. In winter the entries were short: storm, fog, "
+    "no ships. In summer they grew into small essays about the fishermen, the tourists who climbed the stairs, "
+    "and the slow work of polishing the great lens. "
+)
+
+
+def prompt_specs(tokenizer) -> list[dict]:
+    """The golden prompts. `prompt` is what the harness passes to a stage: text, or ids where text can't say it."""
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         tokenize=False, add_generation_prompt=True)
+    specs = [
+        {"name": "english", "prompt": "The three most important inventions of the nineteenth century were"},
+        {"name": "code", "prompt": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"},
+        {"name": "chinese", "prompt": "人工智能的发展历史可以追溯到"},
+        {"name": "chat", "prompt": tokenizer.encode(chat, add_special_tokens=False)},
+        {"name": "one_token", "prompt": tokenizer.encode("Once", add_special_tokens=False)[:1]},
+        {"name": "long", "prompt": (_LONG_TEXT * 5) + "Summarise the keeper's log in one sentence:"},
+    ]
+    for spec in specs:
+        p = spec["prompt"]
+        spec["input_ids"] = tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
+    return specs
+
+
+def max_new_tokens_for(model: str) -> int:
+    return 100 if model.startswith("smollm2") else 40
+
+
+def hf_reference(hf_model, input_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy continuation by a transformers model (float32, CPU): (generated ids, per-step top-2 margins)."""
+    import torch
+
+    eos = hf_model.generation_config.eos_token_id
+    pad = eos if isinstance(eos, int) else (eos or [0])[0]
+    out = hf_model.generate(torch.tensor([input_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                            temperature=None, top_p=None, top_k=None, eos_token_id=eos, pad_token_id=pad,
+                            output_logits=True, return_dict_in_generate=True)
+    ids = out.sequences[0, len(input_ids):].tolist()
+    margins = []
+    for step_logits in out.logits:  # one [1, vocab] tensor per generated token
+        top2 = torch.topk(step_logits[0].float(), 2).values
+        margins.append(float(top2[0] - top2[1]))
+    return ids, margins
+
+
+def regenerate(model: str) -> Path:
+    import torch
+    import transformers
+    from transformers import AutoTokenizer
+
+    from common.models import resolve_model
+
+    path = resolve_model(model)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    hf_model = load_hf_model(path)
+    n = max_new_tokens_for(model)
+    cases = []
+    for spec in prompt_specs(tokenizer):
+        ids, margins = hf_reference(hf_model, spec["input_ids"], n)
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        cases.append({**spec, "output_ids": ids, "margins": [round(m, 6) for m in margins], "text": text})
+        print(f"  {model}/{spec['name']}: {len(spec['input_ids'])} prompt tokens -> {len(ids)} tokens, "
+              f"min margin {min(margins):.4f}")
+    GOLDEN_DIR.mkdir(parents=True, exist_ok=True)
+    out = GOLDEN_DIR / f"{model}.json"
+    payload = {"model": model, "max_new_tokens": n, "tie_margin": TIE_MARGIN,
+               "reference": f"transformers {transformers.__version__}, torch {torch.__version__}, float32, CPU, greedy",
+               "cases": cases}
+    out.write_text(json.dumps(payload, ensure_ascii=False, indent=1) + "\n")
+    return out
+
+
+def load_hf_model(model_path: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+
+
+def discover_stages() -> list[str]:
+    """Every stage package that exists at the repo root, in course order: stage1_naive, stage2_batch, ..."""
+    root = GOLDEN_DIR.parent.parent
+    found = [p.name for p in root.glob("stage*_*") if (p / "__init__.py").exists()]
+    return sorted(found, key=lambda name: int(name[len("stage"):].split("_")[0]))
+
+
+def load_golden(model: str) -> dict:
+    return json.loads((GOLDEN_DIR / f"{model}.json").read_text())
+
+
+@dataclass
+class Comparison:
+    ok: bool
+    matched: int  # identical leading tokens
+    message: str
+
+
+def compare(got: list[int], want: list[int], margins: list[float], tie_margin: float = TIE_MARGIN) -> Comparison:
+    """Identical tokens, or a first divergence at a step where the reference itself was a near tie."""
+    for i, w in enumerate(want):
+        if i >= len(got):
+            return Comparison(False, i, f"stopped after {len(got)} tokens, reference has {len(want)}")
+        if got[i] != w:
+            if margins[i] < tie_margin:
+                return Comparison(True, i, f"diverged at step {i} on a tie (margin {margins[i]:.2e})")
+            return Comparison(False, i, f"step {i}: got token {got[i]}, reference {w} "
+                                        f"(reference margin {margins[i]:.4f} is no tie)")
+    if len(got) > len(want):
+        return Comparison(False, len(want), f"generated {len(got)} tokens, reference stopped at {len(want)}")
+    return Comparison(True, len(want), "identical")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m common.golden", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    regen = sub.add_parser("regenerate", help="rebuild golden files with transformers")
+    regen.add_argument("models", nargs="*", default=GOLDEN_MODELS)
+    show = sub.add_parser("show", help="print a golden file")
+    show.add_argument("model")
+    args = parser.parse_args(argv)
+    if args.cmd == "regenerate":
+        for model in args.models:
+            print(f"wrote {regenerate(model)}")
+    else:
+        golden = load_golden(args.model)
+        for case in golden["cases"]:
+            print(f"--- {case['name']} ({len(case['input_ids'])} prompt tokens, min margin {min(case['margins']):.4f})")
+            print(case["text"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    """`cuda`-marked tests skip cleanly where there is no CUDA GPU (CI, the CPU machines)."""
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path():
+    from common.models import resolve_model
+
+    return resolve_model("tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from common.models import resolve_model
+
+    return resolve_model("smollm2-135m-instruct")
