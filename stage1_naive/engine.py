@@ -10,7 +10,6 @@ cached_len .. device_len-1.
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 
 import torch

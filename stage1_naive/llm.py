@@ -62,6 +62,8 @@ class LLM:
             if not prompt:
                 raise ValueError("prompt is empty: nothing to continue from")
             return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt token list is empty: nothing to continue from")
@@ -88,6 +90,8 @@ class LLM:
         # Validate everything first, so a bad prompt fails before any work is done.
         reqs = []
         for prompt, params in zip(prompts, params_list):
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
             params.validate()
             input_ids = self.encode(prompt)
             self.engine.check_prompt_fits(len(input_ids))
