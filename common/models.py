@@ -224,7 +224,7 @@ KNOWN_MODELS: dict[str, Builder] = {
                          "original_max_position_embeddings": 256},
     ),
     "tiny-qwen2": _tiny(
-        "Qwen2Config", seed=6, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        "Qwen2Config", seed=9, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),

@@ -1,4 +1,11 @@
+import os
+
 import pytest
+import torch
+
+# Triton's CPU interpreter must be chosen before anything imports triton (its own helpers are decorated then).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
