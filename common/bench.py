@@ -1,0 +1,210 @@
+"""Benchmarks that print ratios against peers measured in the same run (never timed tests).
+
+    python -m common.bench batch  [--model M] [--num-requests 16] [--max-new-tokens 32]    stage 2 vs stage 1 vs HF
+    python -m common.bench load   [--model M] [--repeats 3]               stage 3 loader vs HF from_pretrained
+
+Every workload is greedy with ignore_eos (HF: min_new_tokens = max_new_tokens), so every system generates exactly
+the same number of tokens and tokens/s compares like with like.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]  # token ids
+    max_new_tokens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.max_new_tokens)
+
+
+def mixed_workload(tokenizer, num_requests: int, max_new_tokens: int, seed: int = 0,
+                   vary_output: bool = False, min_prompt: int = 8, max_prompt: int = 256) -> Workload:
+    """Prompts cut from varied English text, lengths uniform in [min_prompt, max_prompt]."""
+    rng = random.Random(seed)
+    words = ("the engine schedules requests into batches while the cache keeps keys and values of every token "
+             "so that each decode step reads them instead of recomputing attention over the whole sequence").split()
+    text_ids = tokenizer.encode(" ".join(rng.choice(words) for _ in range(4 * max_prompt)), add_special_tokens=False)
+    prompts, outs = [], []
+    for _ in range(num_requests):
+        n = rng.randint(min_prompt, max_prompt)
+        start = rng.randrange(0, len(text_ids) - n)
+        prompts.append(text_ids[start : start + n])
+        outs.append(rng.randint(max(1, max_new_tokens // 4), max_new_tokens) if vary_output else max_new_tokens)
+    return Workload(prompts, outs)
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run_stage(stage_name: str, llm, work: Workload, **generate_kwargs) -> tuple[float, list[list[int]]]:
+    stage = importlib.import_module(stage_name)
+    params = [stage.SamplingParams(max_new_tokens=n, ignore_eos=True) for n in work.max_new_tokens]
+    out: list = []
+    seconds = timed(lambda: out.extend(llm.generate(work.prompts, params, **generate_kwargs)))
+    return seconds, [r.token_ids for r in out]
+
+
+def run_hf(hf_model, work: Workload, batch_size: int, pad_id: int) -> tuple[float, list[list[int]]]:
+    """transformers `generate` on left-padded batches (its standard batched path)."""
+    outputs: list[list[int]] = []
+
+    def go():
+        for i in range(0, len(work.prompts), batch_size):
+            prompts = work.prompts[i : i + batch_size]
+            n = max(work.max_new_tokens[i : i + batch_size])
+            width = max(map(len, prompts))
+            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                    do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad_id)
+            for j, row in enumerate(out[:, width:].tolist()):
+                outputs.append(row[: work.max_new_tokens[i + j]])
+
+    return timed(go), outputs
+
+
+def header(title: str) -> None:
+    print(f"== {title}")
+    print(f"   {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+
+
+def report(rows: list[tuple[str, float]], tokens: int, peer: str) -> None:
+    peer_tps = tokens / dict(rows)[peer]
+    print(f"   {'system':44s} {'seconds':>8s} {'tokens/s':>9s} {'vs ' + peer:>14s}")
+    for name, seconds in rows:
+        tps = tokens / seconds
+        print(f"   {name:44s} {seconds:8.2f} {tps:9.1f} {tps / peer_tps:13.2f}x")
+
+
+def bench_batch(args) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.models import resolve_model
+
+    import stage1_naive
+    import stage2_batch
+
+    path = resolve_model(args.model)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    work = mixed_workload(tok, args.num_requests, args.max_new_tokens, vary_output=True)
+    header(f"stage 2 batching: {args.model}, {args.num_requests} requests, prompts 8-256 tokens, "
+           f"{work.output_tokens} output tokens")
+    llm2 = stage2_batch.LLM(str(path), attention_backend="torch", max_batch_size=args.num_requests)
+    llm1 = stage1_naive.LLM(str(path))
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    run_stage("stage2_batch", llm2, Workload(work.prompts[:2], [2, 2]))  # warm-up
+
+    t_packed, ids_packed = run_stage("stage2_batch", llm2, work)
+    t_padded, ids_padded = run_stage("stage2_batch", llm2, work, pad_to_longest=True)
+    t_one, ids_one = run_stage("stage1_naive", llm1, work)
+    t_hf, ids_hf = run_hf(hf, work, args.num_requests, tok.pad_token_id or 0)
+    report([("stage 1, one request at a time", t_one), ("stage 2, static batch, padded", t_padded),
+            ("stage 2, static batch, packed (varlen)", t_packed), ("HF transformers generate, padded batch", t_hf)],
+           work.output_tokens, "HF transformers generate, padded batch")
+    same = sum(a == b for a, b in zip(ids_packed, ids_one))
+    print(f"   stage 2 == stage 1 tokens for {same}/{len(ids_one)} requests; padded == packed: {ids_padded == ids_packed}; "
+          f"== HF: {sum(a == b for a, b in zip(ids_packed, ids_hf))}/{len(ids_hf)}")
+
+
+# One load in a fresh interpreter: imports first (not timed, same set for every system), then the load, then one
+# forward pass. transformers maps the safetensors and its parameters point into the map, so its load reads almost
+# nothing and the first forward pays for the page faults; "ready" (load + first forward) compares like with like.
+_LOAD_CHILD = """
+import json, resource, sys, time
+import torch
+from transformers import AutoModelForCausalLM
+from stage3_weights.core import Batch, Req, SamplingParams
+from stage3_weights.engine import Engine
+system, path, dtype = sys.argv[1:4]
+
+def rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+base = rss_mib()
+start = time.perf_counter()
+if system == "hf":
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    loaded = time.perf_counter()
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4]]))
+else:
+    engine = Engine(path, dtype=dtype, verbose=False, progress=False)
+    loaded = time.perf_counter()
+    req = Req(0, [1, 2, 3, 4], SamplingParams(max_new_tokens=1))
+    kv = engine.new_kv_cache([req])
+    req.slot = kv.alloc_slot()
+    engine.prefill(Batch([req], "prefill"), kv)
+ready = time.perf_counter()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+print(json.dumps({"load": loaded - start, "ready": ready - start, "peak": peak, "base": base}))
+"""
+
+
+def load_once(system: str, path: str, dtype: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", _LOAD_CHILD, system, path, dtype], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{system} {dtype} load failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def bench_load(args) -> None:
+    from common.models import resolve_model
+
+    path = str(resolve_model(args.model))
+    size = sum(f.stat().st_size for f in resolve_model(args.model).glob("*.safetensors")) / 2**20
+    header(f"stage 3 loading: {args.model} ({size:.0f} MiB of safetensors), median of {args.repeats} fresh "
+           f"processes each, load then one 4-token forward")
+    load_once("stage3", path, "float32")  # warm the page cache: every system then reads from memory
+    systems = [("stage3", "float32"), ("hf", "float32"), ("stage3", "bfloat16"), ("hf", "bfloat16")]
+    results = {}
+    for _ in range(args.repeats):  # interleaved, so a busy moment on the machine hits every system alike
+        for system, dtype in systems:
+            results.setdefault((system, dtype), []).append(load_once(system, path, dtype))
+    med = {key: {m: statistics.median(r[m] for r in runs) for m in ("load", "ready", "peak", "base")}
+           for key, runs in results.items()}
+    names = {"stage3": "stage 3 Engine", "hf": "HF from_pretrained"}
+    print(f"   {'system':30s} {'load s':>7s} {'ready s':>8s} {'peak RSS MiB':>13s} {'above imports':>14s}"
+          f" {'ready vs HF':>12s} {'peak vs HF':>11s}")
+    for system, dtype in systems:
+        r, hf = med[system, dtype], med["hf", dtype]
+        print(f"   {names[system] + ', ' + dtype:30s} {r['load']:7.2f} {r['ready']:8.2f} {r['peak']:13.0f} "
+              f"{r['peak'] - r['base']:14.0f} {r['ready'] / hf['ready']:11.2f}x {r['peak'] / hf['peak']:10.2f}x")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m common.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    batch = sub.add_parser("batch", help="stage 2 static batching vs stage 1 vs HF generate")
+    batch.add_argument("--model", default="smollm2-135m-instruct")
+    batch.add_argument("--num-requests", type=int, default=16)
+    batch.add_argument("--max-new-tokens", type=int, default=32)
+    load = sub.add_parser("load", help="stage 3 loading time and peak RSS vs HF from_pretrained (fresh processes)")
+    load.add_argument("--model", default="smollm2-135m-instruct")
+    load.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    {"batch": bench_batch, "load": bench_load}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
