@@ -1,6 +1,7 @@
 """Benchmarks that print ratios against peers measured in the same run (never timed tests).
 
     python -m common.bench batch  [--model M] [--num-requests 16] [--max-new-tokens 32]    stage 2 vs stage 1 vs HF
+    python -m common.bench offline [--model M] [--num-requests 64] [--max-new-tokens 128]  stage 4 vs stage 2 vs HF
     python -m common.bench load   [--model M] [--repeats 3]               stage 3 loader vs HF from_pretrained
 
 Every workload is greedy with ignore_eos (HF: min_new_tokens = max_new_tokens), so every system generates exactly
@@ -189,6 +190,37 @@ def bench_load(args) -> None:
         r, hf = med[system, dtype], med["hf", dtype]
         print(f"   {names[system] + ', ' + dtype:30s} {r['load']:7.2f} {r['ready']:8.2f} {r['peak']:13.0f} "
               f"{r['peak'] - r['base']:14.0f} {r['ready'] / hf['ready']:11.2f}x {r['peak'] / hf['peak']:10.2f}x")
+
+
+def bench_offline(args) -> None:
+    """SGLang's bench_offline_throughput shape: all requests submitted at once, mixed input and output lengths."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.models import resolve_model
+
+    import stage2_batch
+    import stage4_scheduler
+
+    path = resolve_model(args.model)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    work = mixed_workload(tok, args.num_requests, args.max_new_tokens, seed=1, vary_output=True)
+    header(f"offline throughput: {args.model}, {args.num_requests} requests, prompts 8-256 tokens, outputs "
+           f"{max(1, args.max_new_tokens // 4)}-{args.max_new_tokens} tokens, {work.output_tokens} output tokens")
+    llm4 = stage4_scheduler.LLM(str(path), attention_backend="torch", max_running_requests=args.num_requests)
+    llm2 = stage2_batch.LLM(str(path), attention_backend="torch", max_batch_size=args.num_requests)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    run_stage("stage4_scheduler", llm4, Workload(work.prompts[:2], [2, 2]))  # warm-up
+
+    t4, ids4 = run_stage("stage4_scheduler", llm4, work)
+    t2, ids2 = run_stage("stage2_batch", llm2, work)
+    t_hf, ids_hf = run_hf(hf, work, args.num_requests, tok.pad_token_id or 0)
+    input_tokens = sum(map(len, work.prompts))
+    print(f"   input tokens {input_tokens}, output tokens {work.output_tokens}")
+    report([("stage 4, continuous batching + paged KV", t4), ("stage 2, static batching", t2),
+            ("HF transformers generate, padded batch", t_hf)], work.output_tokens,
+           "HF transformers generate, padded batch")
+    print(f"   stage 4 == stage 2 tokens for {sum(a == b for a, b in zip(ids4, ids2))}/{len(ids2)} requests; "
+          f"== HF for {sum(a == b for a, b in zip(ids4, ids_hf))}/{len(ids_hf)} (HF pads, which moves float sums)")
 
 
 def main(argv: list[str] | None = None) -> None:
