@@ -1,0 +1,84 @@
+"""python -m stage5_cudagraph --prompt "..." --prompt "..." --max-new-tokens 100 [--stream]"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from . import LLM, SamplingParams
+from .attention import BACKENDS
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m stage5_cudagraph", description=__doc__)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="short name or local HF folder")
+    parser.add_argument("--prompt", action="append", help="repeat for several requests")
+    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                        help="wrap each prompt in the model's chat template (default on)")
+    parser.add_argument("--stream", action="store_true", help="print text as it is generated")
+    parser.add_argument("--max-new-tokens", type=int, default=100)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--stop", action="append", help="stop string (repeatable)")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--attention-backend", default=None, choices=BACKENDS,
+                        help="default: triton on CUDA, torch on CPU")
+    parser.add_argument("--kv-cache-mb", type=int, default=256, help="KV pool memory budget")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--max-running-requests", type=int, default=128)
+    parser.add_argument("--max-prefill-tokens", type=int, default=512, help="prefill token budget (chunk size)")
+    parser.add_argument("--log-interval", type=int, default=0, help="log throughput every N decode steps")
+    args = parser.parse_args(argv)
+    prompts = args.prompt or ["What is the capital of France? Answer in one paragraph.",
+                              "Write a haiku about the sea.", "List three uses of a paperclip."]
+    if args.log_interval:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+
+    try:
+        params = SamplingParams(
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            min_p=args.min_p, repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+            presence_penalty=args.presence_penalty, stop=args.stop, seed=args.seed, ignore_eos=args.ignore_eos)
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
+                  kv_cache_bytes=args.kv_cache_mb << 20, page_size=args.page_size,
+                  max_running_requests=args.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,
+                  log_interval=args.log_interval)
+        inputs = [llm.apply_chat_template(p) if args.chat and p else p for p in prompts]
+        start = time.perf_counter()
+        if args.stream:  # requests interleave: show each delta tagged with its request
+            texts, reasons, tokens = [""] * len(prompts), [None] * len(prompts), 0
+            for chunk in llm.stream(inputs, params):
+                texts[chunk.index] += chunk.text
+                tokens += len(chunk.token_ids)
+                reasons[chunk.index] = chunk.error or chunk.finish_reason
+                if chunk.text:
+                    sys.stdout.write(f"[{chunk.index}] {chunk.text!r}\n")
+            results = None
+        else:
+            results = llm.generate(inputs, params)
+        elapsed = time.perf_counter() - start
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        parser.exit(2, f"error: {exc}\n")
+    if results is not None:
+        texts = [f"error: {r.error}" if r.error else r.text for r in results]
+        reasons = [r.finish_reason for r in results]
+        tokens = sum(r.completion_tokens for r in results)
+    for prompt, text, reason in zip(prompts, texts, reasons):
+        print(f"--- {prompt!r} (finish_reason={reason})\n{text}")
+    print(f"\n[{len(prompts)} requests, {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} tokens/s, "
+          f"attention backend {llm.engine.attn_backend.name}, KV pool {llm.engine.kv_pool.num_pages} pages of "
+          f"{llm.engine.kv_pool.page_size}]")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""The offline API every stage shares, now built on the scheduler's add_request / step loop.
+
+    llm.generate(prompts, params)        -> one GenerateResult per prompt (runs the loop until all are done)
+    llm.stream(prompts, params)          -> yields StreamChunk text deltas as tokens are produced
+    llm.add_request(...) / llm.step()    -> the loop itself, for requests that arrive while others run
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence, Union
+
+import torch
+
+from .core import Req, SamplingParams
+from .engine import Engine
+from .scheduler import Scheduler, StepOutput
+
+Prompt = Union[str, list[int]]
+
+
+@dataclass
+class GenerateResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # the generated ids only
+    text: str
+    finish_reason: str  # "stop", "length", "abort", or "error" (then `error` says why; nothing was generated)
+    error: str | None = None
+    matched_stop: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """A local Hugging Face folder is used as is; a short name ("smollm2-135m-instruct") is fetched once into a
+    cache by the course's support code, the one place a stage calls into `common/`."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model folder {path} has no config.json: not a Hugging Face checkpoint")
+        return path
+    if path.exists() or "/" in str(model) or "\\" in str(model):
+        raise ValueError(f"model path {model!r} does not exist or is not a folder")
+    try:
+        from common.models import resolve_model
+    except ImportError as exc:  # the stage was copied out of the course repo
+        raise ValueError(f"unknown model {model!r}: pass a local Hugging Face folder") from exc
+    return resolve_model(model)
+
+
+@dataclass
+class StreamChunk:
+    index: int  # which prompt of the call
+    text: str  # new text since the last chunk of this prompt (never a broken UTF-8 character)
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    error: str | None = None
+    req: Req | None = None  # the request itself, for its final state
+
+
+class LLM:
+    def __init__(self, model: str | Path = "smollm2-135m-instruct", device: str = "cpu",
+                 dtype: str | torch.dtype = "float32", attention_backend: str | None = None,
+                 kv_cache_bytes: int = 256 << 20, page_size: int = 16, max_running_requests: int = 128,
+                 max_prefill_tokens: int = 512, log_interval: int = 0, record_stats: bool = False):
+        from transformers import AutoTokenizer  # the tokenizer is not the lesson yet: stage 3 writes its own
+
+        self.model_path = resolve_model_path(model)
+        self.engine = Engine(self.model_path, device=device, dtype=dtype, attention_backend=attention_backend,
+                             kv_cache_bytes=kv_cache_bytes, page_size=page_size,
+                             max_running_requests=max_running_requests)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        self.scheduler = Scheduler(self.engine, self.tokenizer, max_prefill_tokens=max_prefill_tokens,
+                                   log_interval=log_interval, record_stats=record_stats)
+        self._next_rid = 0
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: nothing to continue from")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt token list is empty: nothing to continue from")
+        vocab = self.engine.config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}")
+        return ids
+
+    def apply_chat_template(self, user_message: str) -> list[int]:
+        messages = [{"role": "user", "content": user_message}]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ---------------------------------------------------------------- the loop, exposed
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, priority: int = 0) -> int:
+        """Queue one request; returns its id. A bad request raises ValueError and leaves the engine untouched."""
+        return self._add(prompt, sampling_params, priority).rid
+
+    def _add(self, prompt: Prompt, sampling_params: SamplingParams | None, priority: int) -> Req:
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        req = Req(self._next_rid, self.encode(prompt), params, priority=priority)
+        self.scheduler.add_request(req)
+        self._next_rid += 1
+        return req
+
+    def step(self) -> list[StepOutput]:
+        """One forward pass of the engine; what each touched request produced."""
+        return self.scheduler.step()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------- offline conveniences
+    def stream(self, prompts: Prompt | Sequence[Prompt],
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+               priorities: Sequence[int] | None = None) -> Iterator[StreamChunk]:
+        """Yield text deltas as they are produced. A bad request yields one chunk with reason "error"."""
+        prompts = _as_prompt_list(prompts)
+        params_list = _one_params_per_prompt(sampling_params, len(prompts))
+        index_of: dict[int, int] = {}
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            try:
+                req = self._add(prompt, params, priorities[i] if priorities else 0)
+            except ValueError as exc:
+                yield StreamChunk(i, "", [], True, "error", error=f"prompt {i}: {exc}")
+                continue
+            index_of[req.rid] = i
+        while index_of:
+            for out in self.step():
+                i = index_of.get(out.rid)
+                if i is not None:
+                    if out.finished:
+                        del index_of[out.rid]
+                    yield StreamChunk(i, out.text_delta, out.new_token_ids, out.finished, out.finish_reason,
+                                      req=out.req)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priorities: Sequence[int] | None = None) -> list[GenerateResult]:
+        """Generate for all prompts with continuous batching. A bad prompt or bad SamplingParams fails alone:
+        its result carries `error`, the others still run."""
+        prompts = _as_prompt_list(prompts)
+        texts = [""] * len(prompts)
+        results: list[GenerateResult | None] = [None] * len(prompts)
+        for chunk in self.stream(prompts, sampling_params, priorities):
+            texts[chunk.index] += chunk.text
+            if chunk.error:
+                results[chunk.index] = GenerateResult([], [], "", "error", error=chunk.error)
+            elif chunk.finished:
+                req = chunk.req
+                results[chunk.index] = GenerateResult(req.input_ids, req.output_ids, texts[chunk.index],
+                                                      req.finish_reason, matched_stop=req.matched_stop)
+        return results
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if len(prompts) == 0:
+        raise ValueError("no prompts given")
+    return list(prompts)
+
+
+def _one_params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params

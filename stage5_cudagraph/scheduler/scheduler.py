@@ -1,0 +1,212 @@
+"""The scheduler loop: one `step()` = pick a batch, run one forward pass, sample, update every request.
+
+    add_request(req)   -> waiting queue
+    step():
+        prefill batch if any waiting request (or a chunked prompt) fits   (PrefillAdder)
+        else decode batch of every running request, preempting if pages ran out   (DecodeManager)
+        engine.forward(batch) -> logits [B, vocab]
+        sample; append tokens; detokenize; stop checks; finished requests release their pages
+
+Continuous batching is simply this loop: requests join at any step through a prefill, and leave the decode batch
+the step they finish, instead of a batch living and dying together (stage 2).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core import Batch, Req, ReqStatus
+from ..detokenizer import IncrementalDetokenizer
+from ..engine import Engine
+from ..sampler import sample
+from .cache_manager import CacheManager
+from .decode import DecodeManager
+from .prefill import PrefillAdder
+
+logger = logging.getLogger(__name__.split(".")[0])
+
+
+@dataclass
+class StepOutput:
+    """What one request got from one step."""
+
+    rid: int
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    req: Req  # the request itself (read-only for callers)
+
+
+@dataclass
+class StepStats:
+    step: int
+    phase: str
+    batch_size: int
+    num_tokens: int
+    num_running: int
+    num_waiting: int
+    used_pages: int
+    num_preempted: int
+    seconds: float
+
+
+@dataclass
+class Scheduler:
+    engine: Engine
+    tokenizer: object = None  # for text deltas and stop strings; None: token ids only
+    max_prefill_tokens: int = 512  # token budget of one prefill batch = the chunked-prefill size
+    priority_aging_steps: int = 64  # every this many steps waiting, a request's priority rises by one
+    log_interval: int = 0  # log throughput every N decode steps (0: never)
+    record_stats: bool = False
+    waiting: list[Req] = field(default_factory=list)
+    stats: list[StepStats] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.cache = CacheManager(self.engine.kv_pool, self.engine.page_table)
+        self.prefill_adder = PrefillAdder(self.cache, self.max_prefill_tokens)
+        self.decoder = DecodeManager(self.cache)
+        self.chunked: Req | None = None  # the request whose prompt is being prefilled in chunks
+        self.reqs: dict[int, Req] = {}  # every unfinished request by rid
+        self.detok: dict[int, IncrementalDetokenizer] = {}
+        self.generators: dict[int, torch.Generator | None] = {}
+        self.step_count = 0
+        self.total_preemptions = 0
+        self.last_phase = "decode"
+        self._log_tokens, self._log_time = 0, time.perf_counter()
+
+    # ---------------------------------------------------------------- requests in and out
+    def add_request(self, req: Req) -> None:
+        params = req.sampling_params
+        params.validate()
+        self.engine.check_prompt_fits(len(req.input_ids))
+        pool_tokens = self.cache.pool.num_pages * self.cache.page_size
+        if min(req.max_device_len, self.engine.max_context_len) > pool_tokens:
+            raise ValueError(f"request needs up to {req.max_device_len} tokens of KV cache (prompt + "
+                             f"max_new_tokens) but the whole pool holds {pool_tokens}; lower max_new_tokens")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        req.arrival = self.step_count
+        self.reqs[req.rid] = req
+        if self.tokenizer is not None:
+            self.detok[req.rid] = IncrementalDetokenizer(self.tokenizer, params.stop_strings)
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.engine.device).manual_seed(params.seed)
+        self.generators[req.rid] = gen
+        self.waiting.append(req)
+
+    def abort(self, rid: int) -> None:
+        req = self.reqs.get(rid)
+        if req is not None:
+            self._finish(req, "abort")
+            self.detok.pop(rid, None)
+            self.waiting = [r for r in self.waiting if r.rid != rid]
+            self.decoder.remove_finished()
+            if self.chunked is req:
+                self.chunked = None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.reqs)
+
+    def check_integrity(self) -> None:
+        """The pool's books balance, and exactly the running requests (plus a chunked prompt) hold pages."""
+        self.cache.check_integrity(self.decoder.running)
+        holders = {r.rid for r in self.decoder.running} | ({self.chunked.rid} if self.chunked else set())
+        assert set(self.cache.req_pages) == holders, (
+            f"pages held by {sorted(self.cache.req_pages)} but running/chunked are {sorted(holders)}")
+        assert not any(r.table_idx >= 0 for r in self.waiting), "a waiting request still holds a page-table row"
+
+    # ---------------------------------------------------------------- one step
+    def effective_priority(self, req: Req) -> int:
+        return req.priority + (self.step_count - req.arrival) // self.priority_aging_steps
+
+    def step(self) -> list[StepOutput]:
+        self.step_count += 1
+        start = time.perf_counter()
+        self.waiting.sort(key=lambda r: (-self.effective_priority(r), r.arrival, r.rid))
+        reserve = len(self.decoder.running)  # one page per running request keeps decode moving
+        batch, admitted, preempted = None, [], []
+        # Prefill first (new requests join the decode batch sooner), except that a prompt being prefilled in
+        # chunks alternates with decode steps: that is what chunking is for.
+        if not (self.chunked is not None and self.last_phase == "prefill" and self.decoder.running):
+            batch, admitted = self.prefill_adder.build(self.chunked, self.waiting, reserve)
+        if batch is not None:
+            self.waiting = [r for r in self.waiting if r not in admitted]
+        else:
+            batch, preempted = self.decoder.build(lambda r: (self.effective_priority(r), -r.arrival, -r.rid))
+            self.waiting.extend(preempted)
+            self.total_preemptions += len(preempted)
+        if batch is None:
+            return []
+
+        self.last_phase = batch.phase
+        logits = self.engine.forward(batch)  # [B, vocab]
+        outputs = self.process(batch, logits)
+        self.decoder.remove_finished()
+        if self.record_stats:
+            self.stats.append(StepStats(self.step_count, batch.phase, batch.size, len(batch.out_cache_loc),
+                                        len(self.decoder.running), len(self.waiting), self.cache.num_used_pages,
+                                        len(preempted), time.perf_counter() - start))
+        self._maybe_log(batch, len(outputs))
+        return outputs
+
+    def process(self, batch: Batch, logits: torch.Tensor) -> list[StepOutput]:
+        """Advance every request of the batch; sample for those whose last fed token predicts a new one."""
+        sample_rows, to_sample = [], []
+        if batch.phase == "prefill":
+            self.chunked = None  # set again below if this batch cut a prompt
+        for i, req in enumerate(batch.reqs):
+            if req.device_len < len(req.all_ids):  # a non-final prefill chunk: nothing to sample yet
+                req.complete_chunk()
+                self.chunked = req
+            else:
+                sample_rows.append(i)
+                to_sample.append(req)
+        if not to_sample:
+            return []
+        token_ids = sample(logits[sample_rows], to_sample, [self.generators[r.rid] for r in to_sample])
+        outputs = []
+        for req, token_id in zip(to_sample, token_ids):
+            if batch.phase == "prefill":
+                self.decoder.add(req)  # prompt done: from now on it decodes
+            req.complete_one(token_id)
+            self._check_stop(req, token_id)
+            req.check_invariants()
+            detok = self.detok.pop(req.rid, None) if req.finished else self.detok.get(req.rid)
+            delta = detok.take_delta(final=req.finished) if detok else ""
+            outputs.append(StepOutput(req.rid, [token_id], delta, req.finished, req.finish_reason, req))
+        return outputs
+
+    def _check_stop(self, req: Req, token_id: int) -> None:
+        params = req.sampling_params
+        detok = self.detok.get(req.rid)
+        matched_string = detok.add(token_id) if detok else None
+        if token_id in params.stop_token_ids:
+            self._finish(req, "stop", token_id)
+        elif token_id in self.engine.eos_token_ids and not params.ignore_eos:
+            self._finish(req, "stop", token_id)
+        elif matched_string is not None:
+            self._finish(req, "stop", matched_string)
+        elif len(req.output_ids) >= params.max_new_tokens or req.device_len >= self.engine.max_context_len:
+            self._finish(req, "length")
+
+    def _finish(self, req: Req, reason: str, matched=None) -> None:
+        req.status, req.finish_reason, req.matched_stop = ReqStatus.FINISHED, reason, matched
+        if req.table_idx >= 0:
+            self.cache.release(req)
+        self.reqs.pop(req.rid, None)
+        self.generators.pop(req.rid, None)
+
+    def _maybe_log(self, batch: Batch, num_new_tokens: int) -> None:
+        self._log_tokens += num_new_tokens
+        if self.log_interval and batch.phase == "decode" and self.step_count % self.log_interval == 0:
+            now = time.perf_counter()
+            logger.info("step %d: decode batch %d, %d waiting, KV pages %d/%d used, gen throughput %.1f tok/s",
+                        self.step_count, batch.size, len(self.waiting), self.cache.num_used_pages,
+                        self.cache.pool.num_pages, self._log_tokens / (now - self._log_time))
+            self._log_tokens, self._log_time = 0, now
