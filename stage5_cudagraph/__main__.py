@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-running-requests", type=int, default=128)
     parser.add_argument("--max-prefill-tokens", type=int, default=512, help="prefill token budget (chunk size)")
     parser.add_argument("--log-interval", type=int, default=0, help="log throughput every N decode steps")
+    parser.add_argument("--disable-cuda-graph", action="store_true", help="decode eagerly on CUDA too")
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=64, help="largest batch captured in a graph")
+    parser.add_argument("--disable-overlap", action="store_true",
+                        help="process each step's results before launching the next (stage 4's loop)")
     args = parser.parse_args(argv)
     prompts = args.prompt or ["What is the capital of France? Answer in one paragraph.",
                               "Write a haiku about the sea.", "List three uses of a paperclip."]
@@ -52,7 +56,8 @@ def main(argv: list[str] | None = None) -> None:
         llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
                   kv_cache_bytes=args.kv_cache_mb << 20, page_size=args.page_size,
                   max_running_requests=args.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,
-                  log_interval=args.log_interval)
+                  log_interval=args.log_interval, disable_cuda_graph=args.disable_cuda_graph,
+                  cuda_graph_max_bs=args.cuda_graph_max_bs, disable_overlap=args.disable_overlap)
         inputs = [llm.apply_chat_template(p) if args.chat and p else p for p in prompts]
         start = time.perf_counter()
         if args.stream:  # requests interleave: show each delta tagged with its request
@@ -77,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"--- {prompt!r} (finish_reason={reason})\n{text}")
     print(f"\n[{len(prompts)} requests, {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} tokens/s, "
           f"attention backend {llm.engine.attn_backend.name}, KV pool {llm.engine.kv_pool.num_pages} pages of "
-          f"{llm.engine.kv_pool.page_size}]")
+          f"{llm.engine.kv_pool.page_size}, CUDA graphs {'on' if llm.engine.graph_runner else 'off'}, overlap "
+          f"{'on' if llm.scheduler.overlap else 'off'}]")
 
 
 if __name__ == "__main__":

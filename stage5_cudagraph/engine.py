@@ -5,6 +5,11 @@ the scheduler decides which requests run, gives them pages, and calls `forward`.
                    prompt + output to recompute), packed into [N]
     decode batch:  one token per running request, [B]
     both:          -> logits [B, vocab] of each request's last fed token
+
+Stage 5 splits `forward` into `prepare` (host: build the tensors; the overlap scheduler runs it on the CPU while the
+device is busy with the previous step) and `run` (device: the model, by CUDA-graph replay for decode batches on a
+GPU, eagerly otherwise). An input id < 0 is a *future token*: -(row + 1) stands for the token the previous step
+sampled for page-table row `row`, which is still on the device in `future_tokens` (see scheduler.py).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 
 from .attention import ForwardBatch, create_backend
 from .core import Batch
+from .graph import GraphRunner
 from .kv_cache import PageTable, PagedKVPool
 from .model import LlamaForCausalLM, ModelConfig
 from .weights import load_weights
@@ -39,7 +45,7 @@ def read_eos_token_ids(model_path: Path, hf_config: dict) -> set[int]:
 class Engine:
     def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
                  attention_backend: str | None = None, kv_cache_bytes: int = 256 << 20, page_size: int = 16,
-                 max_running_requests: int = 128):
+                 max_running_requests: int = 128, cuda_graph: bool = True, cuda_graph_max_bs: int = 64):
         model_path = Path(model_path)
         if not (model_path / "config.json").exists():
             raise FileNotFoundError(f"no config.json in {model_path}: not a Hugging Face model folder")
@@ -65,10 +71,20 @@ class Engine:
         if num_pages < 1:
             raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no page of {page_size} tokens "
                              f"({bytes_per_token} bytes per token)")
-        self.kv_pool = PagedKVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype,
-                                   self.device)
+        # CUDA graphs pad batches with rows whose K/V must land somewhere harmless: one extra page that the cache
+        # manager never sees (num_pages stays the usable count) holds the dummy slot.
+        use_graphs = cuda_graph and self.device.type == "cuda"
+        self.kv_pool = PagedKVPool(cfg.num_layers, num_pages + int(use_graphs), page_size, cfg.num_kv_heads,
+                                   cfg.head_dim, dtype, self.device)
+        self.kv_pool.num_pages = num_pages
+        self.dummy_slot = num_pages * page_size  # first slot of the reserved page (used only with graphs)
         max_pages_per_req = -(-self.max_context_len // page_size)
         self.page_table = PageTable(max_running_requests, max_pages_per_req, self.device)
+
+        # Stage 5: the last sampled token of each page-table row, kept on the device for the next step's input.
+        self.future_tokens = torch.zeros(max_running_requests, dtype=torch.long, device=self.device)  # [rows]
+        self.num_graph_replays = self.num_eager_forwards = 0  # which path ran (the tests check CPU stays eager)
+        self.graph_runner = GraphRunner(self, min(cuda_graph_max_bs, max_running_requests)) if use_graphs else None
 
     @property
     def max_context_len(self) -> int:
@@ -116,5 +132,14 @@ class Engine:
         )
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        fb = self.prepare(batch)
+        return self.run(self.prepare(batch))  # [B, vocab]
+
+    def run(self, fb: ForwardBatch) -> torch.Tensor:
+        """The device half of a step: resolve future tokens, then graph replay (decode on CUDA) or eager."""
+        ids = fb.input_ids  # [N]; -(row + 1) = "the token row `row` sampled last step", still on the device
+        fb.input_ids = torch.where(ids < 0, self.future_tokens[(-ids - 1).clamp(min=0)], ids)
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            self.num_graph_replays += 1
+            return self.graph_runner.replay(fb)  # [B, vocab]
+        self.num_eager_forwards += 1
         return self.model(fb.input_ids, fb.positions, fb)  # [B, vocab]

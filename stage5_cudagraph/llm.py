@@ -70,16 +70,19 @@ class LLM:
     def __init__(self, model: str | Path = "smollm2-135m-instruct", device: str = "cpu",
                  dtype: str | torch.dtype = "float32", attention_backend: str | None = None,
                  kv_cache_bytes: int = 256 << 20, page_size: int = 16, max_running_requests: int = 128,
-                 max_prefill_tokens: int = 512, log_interval: int = 0, record_stats: bool = False):
+                 max_prefill_tokens: int = 512, log_interval: int = 0, record_stats: bool = False,
+                 disable_cuda_graph: bool = False, cuda_graph_max_bs: int = 64, disable_overlap: bool = False):
         from transformers import AutoTokenizer  # the tokenizer is not the lesson yet: stage 3 writes its own
 
         self.model_path = resolve_model_path(model)
         self.engine = Engine(self.model_path, device=device, dtype=dtype, attention_backend=attention_backend,
                              kv_cache_bytes=kv_cache_bytes, page_size=page_size,
-                             max_running_requests=max_running_requests)
+                             max_running_requests=max_running_requests, cuda_graph=not disable_cuda_graph,
+                             cuda_graph_max_bs=cuda_graph_max_bs)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         self.scheduler = Scheduler(self.engine, self.tokenizer, max_prefill_tokens=max_prefill_tokens,
-                                   log_interval=log_interval, record_stats=record_stats)
+                                   log_interval=log_interval, record_stats=record_stats,
+                                   overlap=not disable_overlap)
         self._next_rid = 0
 
     def encode(self, prompt: Prompt) -> list[int]:

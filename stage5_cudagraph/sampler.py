@@ -28,23 +28,31 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
             continue
         row = logits[b]
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(req.all_ids)), dtype=torch.long, device=row.device)
+            # ids < 0: stage 5's placeholder for the very token being sampled now (not seen yet)
+            seen = torch.tensor(sorted(t for t in set(req.all_ids) if t >= 0), dtype=torch.long, device=row.device)
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if p.frequency_penalty or p.presence_penalty:
-            counts = torch.bincount(torch.tensor(req.output_ids, dtype=torch.long, device=row.device), minlength=V)
+            out = [t for t in req.output_ids if t >= 0]
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long, device=row.device), minlength=V)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
     return logits
 
 
 def sample(logits: torch.Tensor, reqs: list[Req], generators: list[torch.Generator | None]) -> list[int]:
-    """logits: [B, vocab] -> B token ids."""
+    """logits: [B, vocab] -> B token ids on the host (waits for the device)."""
+    return sample_tensor(logits, reqs, generators).tolist()
+
+
+def sample_tensor(logits: torch.Tensor, reqs: list[Req], generators: list[torch.Generator | None]) -> torch.Tensor:
+    """logits: [B, vocab] -> [B] token ids left on the device: no host sync, so the overlap scheduler can feed them
+    to the next step before the CPU has read them (stage 5)."""
     params = [r.sampling_params for r in reqs]
     if any(p.has_penalties for p in params):
         logits = apply_penalties(logits, reqs)
     greedy_ids = logits.argmax(dim=-1)  # [B]
     if all(p.is_greedy for p in params):
-        return greedy_ids.tolist()  # the fast path: no softmax, no sort, no random numbers
+        return greedy_ids  # the fast path: no softmax, no sort, no random numbers
     B, V = logits.shape
     device = logits.device
     temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=device)
@@ -68,4 +76,4 @@ def sample(logits: torch.Tensor, reqs: list[Req], generators: list[torch.Generat
         noise[b].exponential_(generator=gen)
     sampled_ids = (probs / noise).argmax(dim=-1)  # [B]
     is_greedy = torch.tensor([p.is_greedy for p in params], device=device)
-    return torch.where(is_greedy, greedy_ids, sampled_ids).tolist()
+    return torch.where(is_greedy, greedy_ids, sampled_ids)

@@ -9,6 +9,22 @@
 
 Continuous batching is simply this loop: requests join at any step through a prefill, and leave the decode batch
 the step they finish, instead of a batch living and dying together (stage 2).
+
+Stage 5, overlap scheduling ("zero-overhead" scheduler): each step *launches* batch N and then processes the
+results of batch N-1 while N runs, so the device never waits for the CPU's bookkeeping.
+
+    step():
+        build batch N (host state was advanced when N-1 launched: positions and KV slots are known, the token
+                       N-1 sampled is not -> its input id is a placeholder -(row + 1), resolved on the device from
+                       engine.future_tokens, where N-1's sampler left it)
+        launch N on the device worker
+        process N-1: read its tokens, fill in the placeholders, stop checks, detokenize, free finished requests
+
+A request that N-1 finished (EOS, stop string: unknowable before its token is read) is usually in batch N already:
+its extra token is dropped, and its pages are released only once N completed (no page is reused while a launched
+batch may still write to it). Finishing by max_new_tokens is known at launch, so such a request is not fed again.
+Two cases need the real tokens before building, and drain the pipeline first (process N-1, then build): penalties
+(they read every previous token on the host) and a decode step that must preempt (recompute needs the tokens).
 """
 
 from __future__ import annotations
@@ -22,9 +38,10 @@ import torch
 from ..core import Batch, Req, ReqStatus
 from ..detokenizer import IncrementalDetokenizer
 from ..engine import Engine
-from ..sampler import sample
+from ..sampler import sample_tensor
 from .cache_manager import CacheManager
 from .decode import DecodeManager
+from .overlap import DeviceWorker, Pending, StepTiming
 from .prefill import PrefillAdder
 
 logger = logging.getLogger(__name__.split(".")[0])
@@ -63,8 +80,10 @@ class Scheduler:
     priority_aging_steps: int = 64  # every this many steps waiting, a request's priority rises by one
     log_interval: int = 0  # log throughput every N decode steps (0: never)
     record_stats: bool = False
+    overlap: bool = True  # process step N-1's results while step N runs (False: stage 4's synchronous loop)
     waiting: list[Req] = field(default_factory=list)
     stats: list[StepStats] = field(default_factory=list)
+    timings: list[StepTiming] = field(default_factory=list)  # per step, when record_stats
 
     def __post_init__(self) -> None:
         self.cache = CacheManager(self.engine.kv_pool, self.engine.page_table)
@@ -78,6 +97,10 @@ class Scheduler:
         self.total_preemptions = 0
         self.last_phase = "decode"
         self._log_tokens, self._log_time = 0, time.perf_counter()
+        self.worker = DeviceWorker(self.engine.device, self.overlap)
+        self.inflight: list[tuple[Batch, list[tuple[Req, int]], Pending]] = []  # launched, results not yet read
+        self.deferred: list[Req] = []  # finished, but still in a launched batch: pages released after it
+        self.ready_outputs: list[StepOutput] = []  # results read early by a drain, returned by this step
 
     # ---------------------------------------------------------------- requests in and out
     def add_request(self, req: Req) -> None:
@@ -116,7 +139,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         """The pool's books balance, and exactly the running requests (plus a chunked prompt) hold pages."""
         self.cache.check_integrity(self.decoder.running)
-        holders = {r.rid for r in self.decoder.running} | ({self.chunked.rid} if self.chunked else set())
+        holders = {r.rid for r in self.decoder.running + self.deferred} | ({self.chunked.rid} if self.chunked else set())
         assert set(self.cache.req_pages) == holders, (
             f"pages held by {sorted(self.cache.req_pages)} but running/chunked are {sorted(holders)}")
         assert not any(r.table_idx >= 0 for r in self.waiting), "a waiting request still holds a page-table row"
@@ -128,61 +151,125 @@ class Scheduler:
     def step(self) -> list[StepOutput]:
         self.step_count += 1
         start = time.perf_counter()
+        if self.inflight and any(r.sampling_params.has_penalties for r in self.reqs.values()):
+            self.drain()  # penalties read every earlier token on the host: no placeholders allowed
+        batch, preempted = self.schedule()
+        if batch is not None:
+            self.launch(batch, start)
+        # With overlap, leave the step just launched running and read the one before; without, read it now.
+        while len(self.inflight) > (1 if self.overlap and batch is not None else 0):
+            self.ready_outputs += self.process(*self.inflight.pop(0))
+        if self.inflight and not self.reqs:
+            self.drain()  # only finished requests are still launched: nothing to overlap, free their pages now
+        outputs, self.ready_outputs = self.ready_outputs, []
+        if batch is not None:
+            if self.record_stats:
+                self.stats.append(StepStats(self.step_count, batch.phase, batch.size, len(batch.out_cache_loc),
+                                            len(self.decoder.running), len(self.waiting),
+                                            self.cache.num_used_pages, len(preempted), time.perf_counter() - start))
+            self._maybe_log(batch, len(outputs))
+        return outputs
+
+    def schedule(self) -> tuple[Batch | None, list[Req]]:
+        """Stage 4's choice of the next batch; with overlap, on host state that already counts launched steps."""
         self.waiting.sort(key=lambda r: (-self.effective_priority(r), r.arrival, r.rid))
         reserve = len(self.decoder.running)  # one page per running request keeps decode moving
-        batch, admitted, preempted = None, [], []
+        batch, preempted = None, []
         # Prefill first (new requests join the decode batch sooner), except that a prompt being prefilled in
         # chunks alternates with decode steps: that is what chunking is for.
         if not (self.chunked is not None and self.last_phase == "prefill" and self.decoder.running):
             batch, admitted = self.prefill_adder.build(self.chunked, self.waiting, reserve)
-        if batch is not None:
-            self.waiting = [r for r in self.waiting if r not in admitted]
-        else:
-            batch, preempted = self.decoder.build(lambda r: (self.effective_priority(r), -r.arrival, -r.rid))
-            self.waiting.extend(preempted)
-            self.total_preemptions += len(preempted)
-        if batch is None:
-            return []
+            if batch is not None:
+                self.waiting = [r for r in self.waiting if r not in admitted]
+                return batch, []
+        if self.inflight:
+            missing = sum(self.cache.pages_missing(r, r.device_len)
+                          for r in self.decoder.candidates(self.done_launching))
+            if missing > self.cache.num_free_pages:
+                self.drain()  # preemption resets a request to its host tokens: read the launched ones first
+        batch, preempted = self.decoder.build(lambda r: (self.effective_priority(r), -r.arrival, -r.rid),
+                                              self.done_launching)
+        self.waiting.extend(preempted)
+        self.total_preemptions += len(preempted)
+        return batch, preempted
 
+    def done_launching(self, req: Req) -> bool:
+        """Its launched tokens already reach max_new_tokens or the context: feed it no more."""
+        return (len(req.output_ids) >= req.sampling_params.max_new_tokens
+                or req.device_len >= self.engine.max_context_len)
+
+    def launch(self, batch: Batch, start: float) -> None:
+        """Prepare the batch's tensors, advance every request as if its step were done, and submit the step."""
+        fb = self.engine.prepare(batch)  # reads the placeholders of the step before, if it is still running
         self.last_phase = batch.phase
-        logits = self.engine.forward(batch)  # [B, vocab]
-        outputs = self.process(batch, logits)
-        self.decoder.remove_finished()
-        if self.record_stats:
-            self.stats.append(StepStats(self.step_count, batch.phase, batch.size, len(batch.out_cache_loc),
-                                        len(self.decoder.running), len(self.waiting), self.cache.num_used_pages,
-                                        len(preempted), time.perf_counter() - start))
-        self._maybe_log(batch, len(outputs))
-        return outputs
-
-    def process(self, batch: Batch, logits: torch.Tensor) -> list[StepOutput]:
-        """Advance every request of the batch; sample for those whose last fed token predicts a new one."""
-        sample_rows, to_sample = [], []
         if batch.phase == "prefill":
             self.chunked = None  # set again below if this batch cut a prompt
+        sample_rows, sampled = [], []  # sampled: (request, index of its new token in output_ids)
         for i, req in enumerate(batch.reqs):
             if req.device_len < len(req.all_ids):  # a non-final prefill chunk: nothing to sample yet
                 req.complete_chunk()
                 self.chunked = req
-            else:
-                sample_rows.append(i)
-                to_sample.append(req)
-        if not to_sample:
-            return []
-        token_ids = sample(logits[sample_rows], to_sample, [self.generators[r.rid] for r in to_sample])
-        outputs = []
-        for req, token_id in zip(to_sample, token_ids):
+                continue
             if batch.phase == "prefill":
                 self.decoder.add(req)  # prompt done: from now on it decodes
-            req.complete_one(token_id)
-            self._check_stop(req, token_id)
+            req.complete_one(-(req.table_idx + 1))  # placeholder: "the token this row samples now"
+            sample_rows.append(i)
+            sampled.append((req, len(req.output_ids) - 1))
+        reqs = [r for r, _ in sampled]
+        gens = [self.generators.get(r.rid) for r in reqs]
+        engine = self.engine
+        rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.long, device=engine.device)  # [S]
+        sel = torch.tensor(sample_rows, dtype=torch.long, device=engine.device)  # [S]
+
+        def device_step() -> torch.Tensor:  # runs on the device worker
+            logits = engine.run(fb)  # [B, vocab]
+            if not reqs:
+                return torch.empty(0, dtype=torch.long, device=engine.device)
+            tokens = sample_tensor(logits[sel], reqs, gens)  # [S], on the device
+            engine.future_tokens[rows] = tokens  # the next step's placeholders read them here
+            return tokens
+
+        timing = StepTiming(self.step_count, batch.phase, batch.size, (start, 0.0))
+        pending = self.worker.submit(device_step)
+        timing.schedule = (start, time.perf_counter())
+        pending.timing, pending.keep_alive = timing, [fb, rows, sel]  # alive until the step is read back
+        self.inflight.append((batch, sampled, pending))
+
+    def drain(self) -> None:
+        """Read every launched step now (the pipeline empties; its outputs go out with this step's)."""
+        while self.inflight:
+            self.ready_outputs += self.process(*self.inflight.pop(0))
+
+    def process(self, batch: Batch, sampled: list[tuple[Req, int]], pending: Pending) -> list[StepOutput]:
+        """Read one launched step's tokens: fill in placeholders, stop checks, detokenize, release finished."""
+        tokens, events = pending.wait()
+        t0 = time.perf_counter()
+        outputs = []
+        for (req, index), token_id in zip(sampled, tokens):
+            if req.finished:  # it finished at an earlier step (or was aborted) while this one was in flight
+                continue
+            req.output_ids[index] = token_id
+            self._check_stop(req, token_id, index + 1)
+            if req.finished and len(req.output_ids) > index + 1:  # drop the launched tokens after the last one
+                del req.output_ids[index + 1 :]
+                req.device_len, req.cached_len = len(req.all_ids), len(req.all_ids) - 1
             req.check_invariants()
             detok = self.detok.pop(req.rid, None) if req.finished else self.detok.get(req.rid)
             delta = detok.take_delta(final=req.finished) if detok else ""
             outputs.append(StepOutput(req.rid, [token_id], delta, req.finished, req.finish_reason, req))
+        self.decoder.remove_finished()
+        still_launched = {r.rid for b, _, _ in self.inflight for r in b.reqs}
+        for req in [r for r in self.deferred if r.rid not in still_launched]:
+            self.deferred.remove(req)
+            self.cache.release(req)
+        if pending.timing is not None and self.record_stats:
+            pending.timing.device = self.worker.times(events)
+            pending.timing.process = (t0, time.perf_counter())
+            self.timings.append(pending.timing)
         return outputs
 
-    def _check_stop(self, req: Req, token_id: int) -> None:
+    def _check_stop(self, req: Req, token_id: int, num_output: int) -> None:
+        """num_output: the request's output length up to this token (later launched tokens are not counted)."""
         params = req.sampling_params
         detok = self.detok.get(req.rid)
         matched_string = detok.add(token_id) if detok else None
@@ -192,13 +279,17 @@ class Scheduler:
             self._finish(req, "stop", token_id)
         elif matched_string is not None:
             self._finish(req, "stop", matched_string)
-        elif len(req.output_ids) >= params.max_new_tokens or req.device_len >= self.engine.max_context_len:
+        elif (num_output >= params.max_new_tokens
+              or len(req.input_ids) + num_output >= self.engine.max_context_len):
             self._finish(req, "length")
 
     def _finish(self, req: Req, reason: str, matched=None) -> None:
         req.status, req.finish_reason, req.matched_stop = ReqStatus.FINISHED, reason, matched
         if req.table_idx >= 0:
-            self.cache.release(req)
+            if any(r is req for b, _, _ in self.inflight for r in b.reqs):
+                self.deferred.append(req)  # a launched batch may still write its KV pages: release after it
+            else:
+                self.cache.release(req)
         self.reqs.pop(req.rid, None)
         self.generators.pop(req.rid, None)
 

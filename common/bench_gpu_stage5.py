@@ -1,0 +1,250 @@
+"""Stage 5 on a CUDA GPU: CUDA graphs and overlap, measured on random-weight models of real shapes.
+
+    python -m common.bench_gpu_stage5 --out DIR [--models qwen3-0.6b-shape llama3-8b-shape] [--batch-sizes 1 8 32]
+
+For each shape: build a random-weight bf16 checkpoint on the GPU (transformers, saved as safetensors), load it into
+stage 5, and measure
+  - decode step time with CUDA graphs on and off (overlap on), per batch size;
+  - device utilisation during decode: device-busy time / wall time over the decode steps (target >= 90%);
+  - batch-1 decode step against the memory-bandwidth floor: (weight bytes + KV bytes read per step) / the copy
+    bandwidth measured on this GPU (a big device-to-device copy reads and writes every byte once);
+  - end-to-end throughput vs transformers `generate` (same weights, same batch, greedy, fixed output length).
+Writes DIR/stage5_gpu.json and DIR/stage5_gpu.md (the table for the stage README).
+
+Stage 5 runs only the Llama architecture (the model zoo arrives with stage 3's merge), so the "Qwen3-0.6B shape" is
+a LlamaForCausalLM with Qwen3-0.6B's sizes (28 layers, hidden 1024, 16 q / 8 kv heads of 128, vocab 151936, tied
+embeddings) and no q/k-norm: the bytes moved per step, which is what a decode step is bound by, are the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class ModelShape:
+    name: str
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+
+    @classmethod
+    def qwen3_0_6b(cls) -> "ModelShape":
+        return cls("qwen3-0.6b-shape", 151936, 1024, 3072, 28, 16, 8, 128, True)
+
+    @classmethod
+    def llama3_8b(cls) -> "ModelShape":
+        return cls("llama3-8b-shape", 128256, 4096, 14336, 32, 32, 8, 128, False)
+
+    def layer_params(self) -> int:
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)  # q, o + k, v
+        return attn + 3 * self.hidden * self.intermediate + 2 * self.hidden  # + gate, up, down + 2 norms
+
+    def num_params(self) -> int:
+        embed = self.vocab * self.hidden
+        return self.layers * self.layer_params() + embed * (1 if self.tied else 2) + self.hidden
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return self.layers * self.kv_heads * self.head_dim * 2 * dtype_bytes  # K and V
+
+
+def decode_bytes(shape: ModelShape, batch_size: int, context_len: int, dtype_bytes: int) -> tuple[int, int]:
+    """(weight bytes, KV bytes) one decode step must read from memory. Every matrix is read once per step whatever
+    the batch; the input embedding is only a lookup of batch_size rows, so an untied table is not counted (a tied
+    one is read whole by the LM head)."""
+    weights = shape.num_params() - (0 if shape.tied else shape.vocab * shape.hidden)
+    return weights * dtype_bytes, batch_size * context_len * shape.kv_bytes_per_token(dtype_bytes)
+
+
+def floor_seconds(bytes_read: int, bandwidth_bytes_per_s: float) -> float:
+    return bytes_read / bandwidth_bytes_per_s
+
+
+def copy_bandwidth(device: str, gib: float = 2.0, repeats: int = 20) -> float:
+    """Bytes/s of a device-to-device copy (each byte read once and written once, so 2 x size per copy)."""
+    src = torch.empty(int(gib * (1 << 30)), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * repeats / (time.perf_counter() - start)
+
+
+def build_checkpoint(shape: ModelShape, folder: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                      num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                      num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, tie_word_embeddings=shape.tied,
+                      max_position_embeddings=4096, rope_theta=1e6, bos_token_id=1, eos_token_id=2)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)  # random init, on the GPU
+    model.save_pretrained(folder)
+    del model
+    torch.cuda.empty_cache()
+
+
+def decode_run(engine, batch_size: int, prompt_len: int, steps: int, overlap: bool) -> dict:
+    """Prefill batch_size requests, then time `steps` decode steps; -> step time and device utilisation."""
+    from stage5_cudagraph.core import Req, SamplingParams
+    from stage5_cudagraph.scheduler import Scheduler
+
+    sched = Scheduler(engine, None, max_prefill_tokens=batch_size * prompt_len, record_stats=True, overlap=overlap)
+    for i in range(batch_size):
+        sched.add_request(Req(i, [(7 * i + j) % 1000 + 3 for j in range(prompt_len)],
+                              SamplingParams(max_new_tokens=steps + 8, ignore_eos=True)))
+    while sched.waiting:
+        sched.step()
+    for _ in range(3):  # warm-up decode steps
+        sched.step()
+    torch.cuda.synchronize()
+    sched.timings.clear()
+    start = time.perf_counter()
+    for _ in range(steps):
+        sched.step()
+    sched.drain()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    busy = sum(t.device_seconds for t in sched.timings if t.phase == "decode")
+    cpu = sum(t.cpu_seconds for t in sched.timings if t.phase == "decode")
+    for rid in list(sched.reqs):
+        sched.abort(rid)
+    sched.drain()
+    sched.worker.shutdown()
+    return {"step_ms": 1e3 * wall / steps, "device_util": busy / wall, "cpu_ms_per_step": 1e3 * cpu / steps}
+
+
+def throughput(engine, folder: Path, batch_size: int, prompt_len: int, new_tokens: int) -> dict:
+    """Output tokens/s of stage 5 (graphs + overlap) vs transformers generate, same weights and workload."""
+    from transformers import AutoModelForCausalLM
+
+    from stage5_cudagraph.core import Req, SamplingParams
+    from stage5_cudagraph.scheduler import Scheduler
+
+    prompts = [[(11 * i + j) % 1000 + 3 for j in range(prompt_len)] for i in range(batch_size)]
+    sched = Scheduler(engine, None, max_prefill_tokens=4096)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        sched.add_request(Req(i, p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)))
+    while sched.has_unfinished():
+        sched.step()
+    torch.cuda.synchronize()
+    ours = batch_size * new_tokens / (time.perf_counter() - start)
+    sched.worker.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cuda").eval()
+    ids = torch.tensor(prompts, device="cuda")
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    hf.generate(ids[:1], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        hf.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    torch.cuda.synchronize()
+    theirs = batch_size * new_tokens / (time.perf_counter() - start)
+    del hf
+    torch.cuda.empty_cache()
+    return {"batch": batch_size, "stage5_tok_s": ours, "hf_tok_s": theirs, "speedup": ours / theirs}
+
+
+def bench_shape(shape: ModelShape, args, bandwidth: float) -> dict:
+    from stage5_cudagraph.engine import Engine
+
+    result: dict = {"shape": asdict(shape), "params": shape.num_params()}
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+        folder = Path(tmp)
+        t = time.perf_counter()
+        build_checkpoint(shape, folder)
+        result["build_s"] = time.perf_counter() - t
+        engine = Engine(folder, device="cuda", dtype="bfloat16", kv_cache_bytes=args.kv_cache_gb << 30,
+                        max_running_requests=max(args.batch_sizes), cuda_graph_max_bs=max(args.batch_sizes))
+        runner = engine.graph_runner
+        rows = []
+        for bs in args.batch_sizes:
+            on = decode_run(engine, bs, args.prompt_len, args.steps, overlap=True)
+            engine.graph_runner = None  # same engine, same weights, eager decode
+            off = decode_run(engine, bs, args.prompt_len, args.steps, overlap=True)
+            no_overlap = decode_run(engine, bs, args.prompt_len, args.steps, overlap=False)
+            engine.graph_runner = runner
+            rows.append({"batch": bs, "graphs_on": on, "graphs_off": off,
+                         "graphs_off_overlap_off": no_overlap})
+        result["decode"] = rows
+        ctx = args.prompt_len + args.steps // 2  # mean context during the timed steps
+        w, kv = decode_bytes(shape, 1, ctx, 2)
+        floor = floor_seconds(w + kv, bandwidth)
+        b1 = next(r for r in rows if r["batch"] == 1)["graphs_on"]["step_ms"] / 1e3 if 1 in args.batch_sizes else None
+        result["floor"] = {"weight_bytes": w, "kv_bytes": kv, "context": ctx, "floor_ms": floor * 1e3,
+                           "batch1_ms": None if b1 is None else b1 * 1e3,
+                           "ratio": None if b1 is None else b1 / floor}
+        result["throughput"] = throughput(engine, folder, args.tp_batch, args.prompt_len, args.tp_tokens)
+        del engine
+        torch.cuda.empty_cache()
+    return result
+
+
+def markdown(report: dict) -> str:
+    lines = [f"Measured {report['date']} on {report['device']} (torch {report['torch']}), bf16, copy bandwidth "
+             f"{report['bandwidth_gb_s']:.0f} GB/s.", "",
+             "| model | batch | step ms, graphs on | graphs off | graphs on, util | graphs off, util | CPU ms/step |",
+             "|---|---|---|---|---|---|---|"]
+    for m in report["models"]:
+        for r in m["decode"]:
+            on, off = r["graphs_on"], r["graphs_off"]
+            lines.append(f"| {m['shape']['name']} | {r['batch']} | {on['step_ms']:.2f} | {off['step_ms']:.2f} | "
+                         f"{on['device_util']:.0%} | {off['device_util']:.0%} | {on['cpu_ms_per_step']:.2f} |")
+    lines += ["", "| model | batch-1 step ms | bandwidth floor ms (weights + KV) | ratio | stage 5 tok/s | HF tok/s | "
+              "speed-up |", "|---|---|---|---|---|---|---|"]
+    for m in report["models"]:
+        f, t = m["floor"], m["throughput"]
+        b1 = "n/a" if f["batch1_ms"] is None else f"{f['batch1_ms']:.2f}"
+        ratio = "n/a" if f["ratio"] is None else f"{f['ratio']:.2f}x"
+        lines.append(f"| {m['shape']['name']} | {b1} | {f['floor_ms']:.2f} | {ratio} | {t['stage5_tok_s']:.0f} | "
+                     f"{t['hf_tok_s']:.0f} | {t['speedup']:.1f}x (batch {t['batch']}) |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m common.bench_gpu_stage5", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--models", nargs="+", default=["qwen3-0.6b-shape", "llama3-8b-shape"])
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--tp-batch", type=int, default=32, help="batch of the throughput comparison")
+    parser.add_argument("--tp-tokens", type=int, default=128, help="output tokens per request there")
+    parser.add_argument("--kv-cache-gb", type=int, default=8)
+    parser.add_argument("--tmp", default=None, help="where the random checkpoints are written")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.exit(2, "error: this benchmark needs a CUDA GPU\n")
+    shapes = {s.name: s for s in (ModelShape.qwen3_0_6b(), ModelShape.llama3_8b())}
+    bandwidth = copy_bandwidth("cuda")
+    report = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "bandwidth_gb_s": bandwidth / 1e9, "models": []}
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.models:
+        report["models"].append(bench_shape(shapes[name], args, bandwidth))
+        (args.out / "stage5_gpu.json").write_text(json.dumps(report, indent=1))  # keep partial results
+    (args.out / "stage5_gpu.md").write_text(markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()

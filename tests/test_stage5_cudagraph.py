@@ -1,0 +1,215 @@
+"""Stage 5's lessons: overlap scheduling and CUDA graphs change no token, and no page is freed twice or reused while
+a launched step may still write to it. CPU tests cover overlap; `cuda`-marked tests cover graphs."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from stage5_cudagraph import LLM, SamplingParams
+from stage5_cudagraph.graph import bucket_sizes, pick_bucket
+
+
+def mixed(n: int, seed: int, max_out: int = 24, **kw):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.choice([1, 3, 17, 40, 90]))] for _ in range(n)]
+    params = [SamplingParams(max_new_tokens=rng.randint(1, max_out), ignore_eos=True, **kw) for _ in range(n)]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def path(tiny_llama_path):
+    return str(tiny_llama_path)
+
+
+@pytest.fixture(scope="module")
+def llms(path):
+    """overlap off / on, same engine settings."""
+    return {o: LLM(path, attention_backend="torch", disable_overlap=not o, record_stats=True) for o in (False, True)}
+
+
+def watch_releases(llm):
+    """Fail at once if a request's pages are released twice, or released while a launched step still has it."""
+    sched, release = llm.scheduler, llm.scheduler.cache.release
+
+    def checked(req):
+        assert req.table_idx >= 0, f"request {req.rid} released twice"
+        assert not any(r is req for b, _, _ in sched.inflight for r in b.reqs), f"{req.rid} freed while in flight"
+        release(req)
+
+    sched.cache.release = checked
+
+
+def run_arriving(llm, prompts, params, every=3, per=4):
+    """Requests arrive a few at a time while others run; integrity is checked after every step."""
+    watch_releases(llm)
+    rids, out, reasons = {}, {}, {}
+    arrivals = iter(range(len(prompts)))
+    steps = 0
+    while len(reasons) < len(prompts):
+        if steps % every == 0:
+            for _ in range(per):
+                i = next(arrivals, None)
+                if i is not None:
+                    rids[llm.add_request(prompts[i], params[i])] = i
+        for o in llm.step():
+            out.setdefault(rids[o.rid], []).extend(o.new_token_ids)
+            if o.finished:
+                reasons[rids[o.rid]] = (o.finish_reason, o.req.matched_stop, o.req.output_ids)
+        llm.scheduler.check_integrity()
+        steps += 1
+    sched = llm.scheduler
+    sched.check_integrity()
+    assert sched.cache.num_used_pages == 0 and not sched.has_unfinished() and not sched.inflight
+    assert not sched.deferred
+    for i, (_, _, output_ids) in reasons.items():
+        assert output_ids == out[i], "streamed tokens differ from the request's final output"
+    return [out.get(i, []) for i in range(len(prompts))], [reasons[i][:2] for i in range(len(prompts))]
+
+
+def test_overlap_on_off_identical_with_arrivals(llms):
+    prompts, params = mixed(40, seed=0)
+    off, on = (run_arriving(llms[o], prompts, params) for o in (False, True))
+    assert on == off
+    assert llms[True].engine.graph_runner is None  # CPU: never a graph
+    timings = llms[True].scheduler.timings
+    assert timings and all(t.device[0] >= t.schedule[0] and t.process[0] >= t.device[0] for t in timings)
+
+
+def test_stops_finishing_mid_flight(llms):
+    """EOS-like stop tokens, stop strings and max_new_tokens end requests while their next step is launched."""
+    prompts, params = mixed(16, seed=2, max_out=30)
+    base = llms[False].generate(prompts, params)
+    stopped = []
+    for i, (r, p) in enumerate(zip(base, params)):
+        mid = r.token_ids[len(r.token_ids) // 2]
+        if i % 3 == 0:
+            stopped.append(SamplingParams(max_new_tokens=p.max_new_tokens, stop_token_ids=[mid]))
+        elif i % 3 == 1 and len(r.text) > 6:
+            stopped.append(SamplingParams(max_new_tokens=p.max_new_tokens, stop=r.text[len(r.text) // 2 :][:4]))
+        else:
+            stopped.append(p)
+    off, on = (run_arriving(llms[o], prompts, stopped, every=2, per=3) for o in (False, True))
+    assert on == off
+    assert sum(reason == "stop" for reason, _ in off[1]) >= 4  # the stops did fire, mid-generation
+
+
+def test_tiny_pool_preemption_identical(path):
+    prompts, params = mixed(16, seed=1, max_out=30)
+    outs = []
+    for overlap in (False, True):
+        small = LLM(path, attention_backend="torch", kv_cache_bytes=40 * 4 * 1536, page_size=4,
+                    disable_overlap=not overlap)
+        outs.append(run_arriving(small, prompts, params, every=1, per=2))
+        assert small.scheduler.total_preemptions > 0
+    assert outs[0] == outs[1]
+
+
+def test_sampling_penalties_and_seeds_identical(llms):
+    prompts, _ = mixed(8, seed=3)
+    params = [SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True,
+                             repetition_penalty=1.3 if i % 2 else 1.0, frequency_penalty=0.5 if i % 4 == 1 else 0.0)
+              for i in range(8)]
+    off, on = ([r.token_ids for r in llms[o].generate(prompts, params)] for o in (False, True))
+    assert on == off
+
+
+def test_abort_while_in_flight(llms):
+    llm = llms[True]
+    watch_releases(llm)
+    rid = llm.add_request([5, 6, 7], SamplingParams(max_new_tokens=50, ignore_eos=True))
+    other = llm.add_request([8, 9], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    for _ in range(3):
+        llm.step()
+    llm.scheduler.abort(rid)
+    llm.scheduler.check_integrity()
+    while llm.has_unfinished_requests():
+        llm.step()
+    llm.scheduler.check_integrity()
+    assert llm.scheduler.cache.num_used_pages == 0 and other not in llm.scheduler.reqs
+
+
+def test_cpu_takes_the_eager_path(llms):
+    engine = llms[False].engine
+    before = engine.num_eager_forwards
+    llms[False].generate([[1, 2, 3]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert engine.graph_runner is None and engine.num_graph_replays == 0
+    assert engine.num_eager_forwards == before + 3
+    assert engine.kv_pool.k.shape[1] == engine.kv_pool.num_pages  # no dummy page without graphs
+
+
+def test_buckets():
+    assert bucket_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert bucket_sizes(5) == [1, 2, 4, 5] and bucket_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert [pick_bucket(bucket_sizes(64), b) for b in (1, 3, 8, 9, 17, 64)] == [1, 4, 8, 16, 24, 64]
+    with pytest.raises(ValueError):
+        pick_bucket(bucket_sizes(8), 9)
+
+
+def test_bandwidth_floor_arithmetic():
+    from common.bench_gpu_stage5 import ModelShape, decode_bytes, floor_seconds
+
+    # Llama-3-8B: 8.03e9 params in bf16 ~ 16.06 GB of weights per step; KV of 1024 tokens: 32 layers x 8 heads x
+    # 128 dims x 2 (K, V) x 2 bytes = 128 KiB per token.
+    llama8b = ModelShape.llama3_8b()
+    assert abs(llama8b.num_params() - 8.03e9) / 8.03e9 < 0.01
+    weights, kv = decode_bytes(llama8b, batch_size=1, context_len=1024, dtype_bytes=2)
+    assert weights == (llama8b.num_params() - 128256 * 4096) * 2  # untied: the input table is only a lookup
+    assert kv == 1024 * 32 * 8 * 128 * 2 * 2
+    assert floor_seconds(weights + kv, bandwidth_bytes_per_s=4e12) == pytest.approx((weights + kv) / 4e12)
+    qwen = ModelShape.qwen3_0_6b()
+    assert abs(qwen.num_params() - 0.596e9) / 0.596e9 < 0.02  # Qwen3-0.6B, tied embeddings
+
+
+def test_command_line(path):
+    out = subprocess.run([sys.executable, "-m", "stage5_cudagraph", "--model", path, "--no-chat", "--prompt", "a b",
+                          "--max-new-tokens", "4", "--disable-overlap", "--disable-cuda-graph"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "CUDA graphs off, overlap off" in out.stdout
+
+
+# ---------------------------------------------------------------- GPU only (skipped without CUDA)
+@pytest.mark.cuda
+def test_graph_replay_equals_eager_for_every_bucket(path):
+    llm = LLM(path, device="cuda", attention_backend="triton", cuda_graph_max_bs=16, disable_overlap=True)
+    runner = llm.engine.graph_runner
+    assert runner is not None and runner.buckets == [1, 2, 4, 8, 16]
+    prompts, params = mixed(16, seed=4, max_out=8)
+    for bs in (1, 2, 3, 4, 7, 8, 13, 16):  # padded and exact buckets
+        sched = llm.scheduler
+        for p in prompts[:bs]:
+            llm.add_request(p, SamplingParams(max_new_tokens=4, ignore_eos=True))
+        while sched.waiting or sched.chunked:
+            llm.step()
+        batch, _ = sched.decoder.build(lambda r: r.rid, sched.done_launching)
+        assert batch is not None and batch.size == bs
+        fb = llm.engine.prepare(batch)
+        eager = llm.engine.model(fb.input_ids, fb.positions, fb).float()
+        graph = runner.replay(llm.engine.prepare(batch)).float()
+        torch.testing.assert_close(graph, eager, rtol=1e-4, atol=1e-4)
+        for r in list(sched.decoder.running):
+            sched.abort(r.rid)
+        sched.decoder.remove_finished()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("model", ["smollm2-135m-instruct", "tiny-llama"])
+def test_golden_with_graphs_on_and_off_on_cuda(model):
+    from common.golden import compare, load_golden
+    from common.models import resolve_model
+
+    golden = load_golden(model)
+    cases = golden["cases"]
+    for disable in (False, True):
+        llm = LLM(str(resolve_model(model)), device="cuda", dtype="float32", disable_cuda_graph=disable)
+        assert (llm.engine.graph_runner is None) == disable
+        results = llm.generate([c["prompt"] for c in cases], SamplingParams(max_new_tokens=golden["max_new_tokens"]))
+        for case, r in zip(cases, results):
+            cmp = compare(list(r.token_ids), case["output_ids"], case["margins"])
+            assert cmp.ok, f"graphs {'off' if disable else 'on'}, {case['name']}: {cmp.message}"
+        assert disable or llm.engine.num_graph_replays > 0
