@@ -70,9 +70,9 @@ def find_checkpoint_files(model_path: Path) -> list[Path]:
         missing = [f for f in files if not (model_path / f).is_file()]
         if missing:
             count = Counter(weight_map.values())
-            lost = ", ".join(f"{f} ({count[f]} tensors)" for f in missing)
-            raise CheckpointError(f"{model_path}: {INDEX_FILE} lists {len(files)} shard files but "
-                                  f"{len(missing)} are missing: {lost}. Download the checkpoint again.")
+            lost = ", ".join(f"{f} ({count[f]} tensor{'s' * (count[f] > 1)})" for f in missing)
+            raise CheckpointError(f"{model_path}: {INDEX_FILE} lists {len(files)} shard files, {len(missing)} of "
+                                  f"them missing: {lost}. Download the checkpoint again.")
         return [model_path / f for f in files]
     if (model_path / SINGLE_FILE).is_file():
         return [model_path / SINGLE_FILE]  # ignore other *.safetensors (e.g. Mistral's consolidated.safetensors)

@@ -182,7 +182,8 @@ def _rewrite(folder, edit) -> None:
 def test_missing_shard_is_named(tmp_path):
     folder = _copy("tiny-llama", tmp_path)
     (folder / "model-00002-of-00003.safetensors").unlink()
-    with pytest.raises(CheckpointError, match=r"1 are missing: model-00002-of-00003.safetensors \(\d+ tensors\)"):
+    missing = r"3 shard files, 1 of them missing: model-00002-of-00003.safetensors \(\d+ tensors?\)"
+    with pytest.raises(CheckpointError, match=missing):
         LLM(str(folder), verbose=False)
 
 
@@ -264,8 +265,9 @@ def test_bfloat16_greedy_tokens_agree_on_smollm2():
     bf16 = LLM("smollm2-135m-instruct", dtype="bfloat16", verbose=False).generate(prompts, params)
     same = [next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), 24)
             for a, b in zip(fp32, bf16)]
-    print(f"bf16 == fp32 for the first {same} greedy tokens of {len(prompts)} prompts")
-    assert sum(same) >= 0.5 * 24 * len(prompts) and min(same) >= 4
+    print(f"bf16 == fp32 for the first {same} greedy tokens of {len(prompts)} prompts")  # measured: [24, 15, 24, 24]
+    # bf16 rounding flips near-ties, after which the texts differ; the bound is loose so other CPUs' kernels pass.
+    assert min(same) >= 1 and sum(same) >= 24 * len(prompts) // 3
 
 
 def test_tied_embeddings_share_storage_and_untied_do_not():
