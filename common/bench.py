@@ -3,6 +3,7 @@
     python -m common.bench batch  [--model M] [--num-requests 16] [--max-new-tokens 32]    stage 2 vs stage 1 vs HF
     python -m common.bench offline [--model M] [--num-requests 64] [--max-new-tokens 128]  stage 4 vs stage 2 vs HF
     python -m common.bench load   [--model M] [--repeats 3]               stage 3 loader vs HF from_pretrained
+    python -m common.bench overlap [--model M] [--num-requests 32] [--max-new-tokens 64]  stage 5 overlap on vs off
 
 Every workload is greedy with ignore_eos (HF: min_new_tokens = max_new_tokens), so every system generates exactly
 the same number of tokens and tokens/s compares like with like.
@@ -223,6 +224,41 @@ def bench_offline(args) -> None:
           f"== HF for {sum(a == b for a, b in zip(ids4, ids_hf))}/{len(ids_hf)} (HF pads, which moves float sums)")
 
 
+def bench_overlap(args) -> None:
+    """Stage 5's overlap scheduler on vs off, same engine settings, same workload, alternating runs."""
+    from transformers import AutoTokenizer
+
+    from common.models import resolve_model
+
+    import stage5_cudagraph
+
+    path = resolve_model(args.model)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    work = mixed_workload(tok, args.num_requests, args.max_new_tokens, seed=1, vary_output=True)
+    header(f"overlap scheduling: {args.model}, {args.num_requests} requests, {work.output_tokens} output tokens, "
+           f"{torch.get_num_threads()} torch threads")
+    llms = {o: stage5_cudagraph.LLM(str(path), attention_backend="torch", max_running_requests=args.num_requests,
+                                    disable_overlap=not o, record_stats=True) for o in (False, True)}
+    run_stage("stage5_cudagraph", llms[True], Workload(work.prompts[:2], [2, 2]))  # warm-up
+    times: dict[bool, list[float]] = {False: [], True: []}
+    ids = {}
+    for _ in range(args.repeats):
+        for o in (False, True):
+            llms[o].scheduler.timings.clear()
+            t, ids[o] = run_stage("stage5_cudagraph", llms[o], work)
+            times[o].append(t)
+    for o in (False, True):
+        tm = [t for t in llms[o].scheduler.timings if t.phase == "decode"]
+        cpu, dev = sum(t.cpu_seconds for t in tm), sum(t.device_seconds for t in tm)
+        print(f"   overlap {'on ' if o else 'off'}: decode steps {len(tm)}, CPU scheduling {1e3 * cpu / len(tm):.2f} "
+              f"ms/step, device (forward + sample) {1e3 * dev / len(tm):.2f} ms/step")
+    best = {o: min(v) for o, v in times.items()}
+    report([("stage 5, overlap on", best[True]), ("stage 5, overlap off", best[False])], work.output_tokens,
+           "stage 5, overlap off")
+    print(f"   overlap on / off throughput ratio {best[False] / best[True]:.3f} (best of {args.repeats}); "
+          f"identical tokens: {ids[True] == ids[False]}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m common.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -234,8 +270,13 @@ def main(argv: list[str] | None = None) -> None:
     load = sub.add_parser("load", help="stage 3 loading time and peak RSS vs HF from_pretrained (fresh processes)")
     load.add_argument("--model", default="smollm2-135m-instruct")
     load.add_argument("--repeats", type=int, default=3)
+    overlap = sub.add_parser("overlap", help="stage 5 overlap scheduling on vs off (CPU)")
+    overlap.add_argument("--model", default="smollm2-135m-instruct")
+    overlap.add_argument("--num-requests", type=int, default=32)
+    overlap.add_argument("--max-new-tokens", type=int, default=64)
+    overlap.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    {"batch": bench_batch, "load": bench_load}[args.cmd](args)
+    {"batch": bench_batch, "load": bench_load, "overlap": bench_overlap}[args.cmd](args)
 
 
 if __name__ == "__main__":
