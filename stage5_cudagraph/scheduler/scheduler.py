@@ -229,9 +229,8 @@ class Scheduler:
             engine.future_tokens[rows] = tokens  # the next step's placeholders read them here
             return tokens
 
-        timing = StepTiming(self.step_count, batch.phase, batch.size, (start, 0.0))
-        pending = self.worker.submit(device_step)
-        timing.schedule = (start, time.perf_counter())
+        timing = StepTiming(self.step_count, batch.phase, batch.size, (start, time.perf_counter()))
+        pending = self.worker.submit(device_step)  # without overlap, this runs the step before returning
         pending.timing, pending.keep_alive = timing, [fb, rows, sel]  # alive until the step is read back
         self.inflight.append((batch, sampled, pending))
 
