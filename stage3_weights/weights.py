@@ -57,7 +57,7 @@ class LoadStats:
     tensors: int = 0
     bytes_read: int = 0  # checkpoint bytes streamed (in the checkpoint's dtype)
     seconds: float = 0.0
-    checkpoint_dtypes: Counter = field(default_factory=Counter)  # e.g. {"BF16": 2_400_000_000}
+    checkpoint_dtypes: Counter = field(default_factory=Counter)  # bytes per dtype, e.g. {"bfloat16": 16_381_470_720}
 
 
 def find_checkpoint_files(model_path: Path) -> list[Path]:
