@@ -3,7 +3,9 @@ full sampling, stop strings, incremental detokenization and streaming."""
 
 from .core import Batch, Req, ReqStatus, SamplingParams
 from .llm import LLM, GenerateResult, StreamChunk
-from .model import UnsupportedModelError
+from .models import UnsupportedModelError
+from .tokenizer import Tokenizer, TokenizerConfig
+from .weights import CheckpointError
 
 __all__ = ["LLM", "SamplingParams", "GenerateResult", "StreamChunk", "Req", "ReqStatus", "Batch",
-           "UnsupportedModelError"]
+           "UnsupportedModelError", "CheckpointError", "Tokenizer", "TokenizerConfig"]

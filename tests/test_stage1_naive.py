@@ -123,3 +123,12 @@ def test_command_line(tiny_llama_path):
     bad = subprocess.run([sys.executable, "-m", "stage1_naive", "--model", "nope", "--max-new-tokens", "5"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "unknown model" in bad.stderr
+
+
+def test_bfloat16_casts_weights_but_keeps_rope_frequencies_float32(tiny_llama_path):
+    engine = Engine(tiny_llama_path, dtype="bfloat16")
+    attn = engine.model.layers[0].self_attn
+    assert attn.q_proj.weight.dtype == torch.bfloat16
+    assert attn.rotary.inv_freq.dtype == torch.float32  # a bfloat16 copy would be off by up to 0.4%
+    req = engine.generate(Req(0, [5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True)))
+    assert len(req.output_ids) == 4
