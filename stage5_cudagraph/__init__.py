@@ -1,9 +1,10 @@
-"""Stage 4 — a complete engine: paged KV cache, continuous batching scheduler, chunked prefill, preemption,
-full sampling, stop strings, incremental detokenization and streaming."""
+"""Stage 5 — CUDA graphs for decode and an overlap scheduler: take the CPU out of the decode loop."""
 
 from .core import Batch, Req, ReqStatus, SamplingParams
 from .llm import LLM, GenerateResult, StreamChunk
-from .model import UnsupportedModelError
+from .models import UnsupportedModelError
+from .tokenizer import Tokenizer, TokenizerConfig
+from .weights import CheckpointError
 
 __all__ = ["LLM", "SamplingParams", "GenerateResult", "StreamChunk", "Req", "ReqStatus", "Batch",
-           "UnsupportedModelError"]
+           "UnsupportedModelError", "CheckpointError", "Tokenizer", "TokenizerConfig"]

@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+                        help="weights and KV cache dtype, converted at load; auto = the checkpoint's own")
     parser.add_argument("--attention-backend", default=None, choices=BACKENDS,
                         help="default: triton on CUDA, torch on CPU")
     parser.add_argument("--kv-cache-mb", type=int, default=256, help="KV pool memory budget")
@@ -42,6 +43,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cuda-graph-max-bs", type=int, default=64, help="largest batch captured in a graph")
     parser.add_argument("--disable-overlap", action="store_true",
                         help="process each step's results before launching the next (stage 4's loop)")
+    parser.add_argument("--memory-report", action="store_true",
+                        help="print what the weights and the KV cache cost, then the load statistics")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="loading progress bar (default: when stderr is a terminal)")
+    parser.add_argument("--quiet", action="store_true", help="no one-line load report")
     args = parser.parse_args(argv)
     prompts = args.prompt or ["What is the capital of France? Answer in one paragraph.",
                               "Write a haiku about the sea.", "List three uses of a paperclip."]
@@ -57,7 +63,10 @@ def main(argv: list[str] | None = None) -> None:
                   kv_cache_bytes=args.kv_cache_mb << 20, page_size=args.page_size,
                   max_running_requests=args.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,
                   log_interval=args.log_interval, disable_cuda_graph=args.disable_cuda_graph,
-                  cuda_graph_max_bs=args.cuda_graph_max_bs, disable_overlap=args.disable_overlap)
+                  cuda_graph_max_bs=args.cuda_graph_max_bs, disable_overlap=args.disable_overlap,
+                  progress=args.progress, verbose=not args.quiet)
+        if args.memory_report:
+            print_memory_report(llm)
         inputs = [llm.apply_chat_template(p) if args.chat and p else p for p in prompts]
         start = time.perf_counter()
         if args.stream:  # requests interleave: show each delta tagged with its request
@@ -72,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             results = llm.generate(inputs, params)
         elapsed = time.perf_counter() - start
-    except (ValueError, FileNotFoundError, KeyError) as exc:
+    except (ValueError, FileNotFoundError) as exc:  # UnsupportedModelError, CheckpointError included
         parser.exit(2, f"error: {exc}\n")
     if results is not None:
         texts = [f"error: {r.error}" if r.error else r.text for r in results]
@@ -85,6 +94,19 @@ def main(argv: list[str] | None = None) -> None:
           f"{llm.engine.kv_pool.page_size}, CUDA graphs {'on' if llm.engine.graph_runner else 'off'}, overlap "
           f"{'on' if llm.scheduler.overlap else 'off'}]")
 
+
+def print_memory_report(llm: LLM) -> None:
+    report, stats, cfg = llm.engine.memory_report(), llm.engine.load_stats, llm.engine.config
+    mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+    print(f"model      {cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q / "
+          f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}, vocab {cfg.vocab_size}, tied={cfg.tie_word_embeddings}")
+    print(f"weights    {report.num_params / 1e6:.1f}M params, {mib(report.param_bytes)}: "
+          + ", ".join(f"{d} {mib(b)}" for d, b in report.param_bytes_by_dtype.items()))
+    print(f"KV cache   2 x {cfg.num_layers} layers x {cfg.num_kv_heads} kv heads x {cfg.head_dim} x {report.kv_dtype} "
+          f"= {report.kv_bytes_per_token} bytes/token; "
+          f"{mib(report.kv_bytes_per_token * report.max_context_len)} at the {report.max_context_len}-token context")
+    print(f"loaded     {stats.tensors} tensors from {stats.files} file(s), {mib(stats.bytes_read)} "
+          f"({', '.join(sorted(stats.checkpoint_dtypes))} on disk) in {stats.seconds:.2f} s\n")
 
 if __name__ == "__main__":
     main()

@@ -15,6 +15,8 @@ sampled for page-table row `row`, which is still on the device in `future_tokens
 from __future__ import annotations
 
 import json
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,47 +25,77 @@ from .attention import ForwardBatch, create_backend
 from .core import Batch
 from .graph import GraphRunner
 from .kv_cache import PageTable, PagedKVPool
-from .model import LlamaForCausalLM, ModelConfig
+from .models import ModelConfig, build_model
+from .tokenizer import read_eos_token_ids
 from .weights import load_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def read_eos_token_ids(model_path: Path, hf_config: dict) -> set[int]:
-    """EOS may be one id or a list, in config.json and/or generation_config.json: take them all."""
-    ids: set[int] = set()
-    sources = [hf_config]
-    gen_file = model_path / "generation_config.json"
-    if gen_file.exists():
-        sources.append(json.loads(gen_file.read_text()))
-    for src in sources:
-        eos = src.get("eos_token_id")
-        ids.update([eos] if isinstance(eos, int) else (eos or []))
-    return ids
+@dataclass
+class MemoryReport:
+    """What the model costs in memory: the weights once, plus the KV cache per token of every sequence."""
+
+    param_bytes_by_dtype: dict[str, int]  # unique storage: a tied lm_head is counted once
+    num_params: int
+    kv_bytes_per_token: int  # 2 (K and V) * layers * kv_heads * head_dim * bytes per element
+    kv_dtype: str
+    max_context_len: int
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(self.param_bytes_by_dtype.values())
+
+    def summary(self) -> str:
+        by_dtype = ", ".join(f"{d} {_mb(b)}" for d, b in self.param_bytes_by_dtype.items())
+        return (f"weights {_mb(self.param_bytes)} ({self.num_params / 1e6:.1f}M params: {by_dtype}); "
+                f"KV cache {self.kv_bytes_per_token / 1024:.1f} KiB/token ({self.kv_dtype}), "
+                f"{_mb(self.kv_bytes_per_token * self.max_context_len)} for one {self.max_context_len}-token sequence")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
+    """A torch dtype, a name, or "auto": the checkpoint's own dtype (float32 when config.json does not say)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        dtype = cfg.dtype if cfg.dtype in DTYPES else "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES) + ['auto']}, got {dtype!r}")
+    return DTYPES[dtype]
 
 
 class Engine:
     def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
                  attention_backend: str | None = None, kv_cache_bytes: int = 256 << 20, page_size: int = 16,
-                 max_running_requests: int = 128, cuda_graph: bool = True, cuda_graph_max_bs: int = 64):
+                 max_running_requests: int = 128, eos_token_ids: set[int] | None = None,
+                 progress: bool | None = None, verbose: bool = True, cuda_graph: bool = True,
+                 cuda_graph_max_bs: int = 64):
+        """eos_token_ids: the tokenizer's (tokenizer.py); default: read from the checkpoint's configs.
+        progress: a progress bar while loading (None: when stderr is a terminal). verbose: one line on load."""
         model_path = Path(model_path)
         if not (model_path / "config.json").exists():
             raise FileNotFoundError(f"no config.json in {model_path}: not a Hugging Face model folder")
-        if isinstance(dtype, str):
-            if dtype not in DTYPES:
-                raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-            dtype = DTYPES[dtype]
         if page_size < 1 or max_running_requests < 1:
             raise ValueError(f"page_size and max_running_requests must be >= 1, got {page_size}, "
                              f"{max_running_requests}")
         hf_config = json.loads((model_path / "config.json").read_text())
-        self.config = cfg = ModelConfig.from_hf(hf_config)
+        config = ModelConfig.from_hf(hf_config)  # refuses what it cannot run, before any allocation
+        dtype = resolve_dtype(dtype, config)
         self.device, self.dtype = torch.device(device), dtype
-        self.eos_token_ids = read_eos_token_ids(model_path, hf_config)
+        self.eos_token_ids = set(eos_token_ids) if eos_token_ids else read_eos_token_ids(model_path, hf_config)
         self.attn_backend = create_backend(attention_backend, self.device)
 
-        self.model = LlamaForCausalLM(cfg).to(device=self.device, dtype=dtype).eval()
-        load_weights(self.model, model_path)
+        self.model = build_model(config, self.device, dtype)  # empty, already in its dtype and on its device
+        self.config = cfg = self.model.config  # the family's view (e.g. Qwen2 adds qkv_bias)
+        self.load_stats = load_weights(self.model, model_path, progress=progress)
+        if verbose:
+            s = self.load_stats
+            print(f"[{type(self.model).__name__} from {model_path.name}: {s.tensors} tensors from {s.files} "
+                  f"file(s) in {s.seconds:.2f} s] {self.memory_report().summary()}", file=sys.stderr)
 
         # The KV pool is sized once, from a memory budget: every page any request will ever use comes from here.
         bytes_per_token = PagedKVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
@@ -85,6 +117,18 @@ class Engine:
         self.future_tokens = torch.zeros(max_running_requests, dtype=torch.long, device=self.device)  # [rows]
         self.num_graph_replays = self.num_eager_forwards = 0  # which path ran (the tests check CPU stays eager)
         self.graph_runner = GraphRunner(self, min(cuda_graph_max_bs, max_running_requests)) if use_graphs else None
+
+    def memory_report(self) -> MemoryReport:
+        by_dtype: dict[str, int] = {}
+        num_params = 0
+        for param in self.model.parameters():  # parameters() yields a tied matrix once
+            name = str(param.dtype).removeprefix("torch.")
+            by_dtype[name] = by_dtype.get(name, 0) + param.numel() * param.element_size()
+            num_params += param.numel()
+        cfg = self.config
+        kv_per_token = PagedKVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        return MemoryReport(by_dtype, num_params, kv_per_token, str(self.dtype).removeprefix("torch."),
+                            self.max_context_len)
 
     @property
     def max_context_len(self) -> int:

@@ -16,6 +16,7 @@ import torch
 from .core import Req, SamplingParams
 from .engine import Engine
 from .scheduler import Scheduler, StepOutput
+from .tokenizer import Messages, Tokenizer, TokenizerConfig
 
 Prompt = Union[str, list[int]]
 
@@ -71,15 +72,20 @@ class LLM:
                  dtype: str | torch.dtype = "float32", attention_backend: str | None = None,
                  kv_cache_bytes: int = 256 << 20, page_size: int = 16, max_running_requests: int = 128,
                  max_prefill_tokens: int = 512, log_interval: int = 0, record_stats: bool = False,
-                 disable_cuda_graph: bool = False, cuda_graph_max_bs: int = 64, disable_overlap: bool = False):
-        from transformers import AutoTokenizer  # the tokenizer is not the lesson yet: stage 3 writes its own
-
+                 tokenizer_config: TokenizerConfig | None = None, progress: bool | None = None,
+                 verbose: bool = True, disable_cuda_graph: bool = False, cuda_graph_max_bs: int = 64,
+                 disable_overlap: bool = False):
+        """dtype: float32, bfloat16, float16 or "auto" (the checkpoint's). progress: a loading progress bar (None:
+        when stderr is a terminal). verbose: print one line on load with the memory report."""
         self.model_path = resolve_model_path(model)
+        self.tokenizer = Tokenizer(self.model_path, tokenizer_config)
         self.engine = Engine(self.model_path, device=device, dtype=dtype, attention_backend=attention_backend,
                              kv_cache_bytes=kv_cache_bytes, page_size=page_size,
-                             max_running_requests=max_running_requests, cuda_graph=not disable_cuda_graph,
+                             max_running_requests=max_running_requests, eos_token_ids=self.tokenizer.eos_token_ids,
+                             progress=progress, verbose=verbose, cuda_graph=not disable_cuda_graph,
                              cuda_graph_max_bs=cuda_graph_max_bs)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        if self.tokenizer.config.max_length is None:  # leave room for at least one generated token
+            self.tokenizer.config.max_length = self.engine.max_context_len - 1
         self.scheduler = Scheduler(self.engine, self.tokenizer, max_prefill_tokens=max_prefill_tokens,
                                    log_interval=log_interval, record_stats=record_stats,
                                    overlap=not disable_overlap)
@@ -87,9 +93,7 @@ class LLM:
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty: nothing to continue from")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)):
             raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         ids = list(prompt)
@@ -99,12 +103,11 @@ class LLM:
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}")
-        return ids
+        return self.tokenizer.truncate(ids)
 
-    def apply_chat_template(self, user_message: str) -> list[int]:
-        messages = [{"role": "user", "content": user_message}]
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def apply_chat_template(self, messages: Messages) -> list[int]:
+        """A user message (str) or a list of {"role", "content"} messages -> prompt token ids."""
+        return self.tokenizer.apply_chat_template(messages)
 
     # ---------------------------------------------------------------- the loop, exposed
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, priority: int = 0) -> int:
