@@ -270,13 +270,18 @@ def main(argv: list[str] | None = None) -> None:
     load = sub.add_parser("load", help="stage 3 loading time and peak RSS vs HF from_pretrained (fresh processes)")
     load.add_argument("--model", default="smollm2-135m-instruct")
     load.add_argument("--repeats", type=int, default=3)
+    offline = sub.add_parser("offline", help="stage 4 continuous batching vs stage 2 vs HF generate")
+    offline.add_argument("--model", default="smollm2-135m-instruct")
+    offline.add_argument("--num-requests", type=int, default=64)
+    offline.add_argument("--max-new-tokens", type=int, default=128)
     overlap = sub.add_parser("overlap", help="stage 5 overlap scheduling on vs off (CPU)")
     overlap.add_argument("--model", default="smollm2-135m-instruct")
     overlap.add_argument("--num-requests", type=int, default=32)
     overlap.add_argument("--max-new-tokens", type=int, default=64)
     overlap.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    {"batch": bench_batch, "load": bench_load, "overlap": bench_overlap}[args.cmd](args)
+    commands = {"batch": bench_batch, "load": bench_load, "offline": bench_offline, "overlap": bench_overlap}
+    commands[args.cmd](args)
 
 
 if __name__ == "__main__":
