@@ -11,9 +11,8 @@ stage 5, and measure
   - end-to-end throughput vs transformers `generate` (same weights, same batch, greedy, fixed output length).
 Writes DIR/stage5_gpu.json and DIR/stage5_gpu.md (the table for the stage README).
 
-Stage 5 runs only the Llama architecture (the model zoo arrives with stage 3's merge), so the "Qwen3-0.6B shape" is
-a LlamaForCausalLM with Qwen3-0.6B's sizes (28 layers, hidden 1024, 16 q / 8 kv heads of 128, vocab 151936, tied
-embeddings) and no q/k-norm: the bytes moved per step, which is what a decode step is bound by, are the same.
+The Qwen3-0.6B shape is a Qwen3ForCausalLM (28 layers, hidden 1024, 16 q / 8 kv heads of 128, q/k norm, vocab
+151936, tied embeddings); the Llama-3-8B shape a LlamaForCausalLM (32 layers, hidden 4096, 32 q / 8 kv heads).
 """
 
 from __future__ import annotations
@@ -40,10 +39,11 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     tied: bool
+    arch: str = "llama"  # "llama" or "qwen3"
 
     @classmethod
     def qwen3_0_6b(cls) -> "ModelShape":
-        return cls("qwen3-0.6b-shape", 151936, 1024, 3072, 28, 16, 8, 128, True)
+        return cls("qwen3-0.6b-shape", 151936, 1024, 3072, 28, 16, 8, 128, True, arch="qwen3")
 
     @classmethod
     def llama3_8b(cls) -> "ModelShape":
@@ -87,14 +87,16 @@ def copy_bandwidth(device: str, gib: float = 2.0, repeats: int = 20) -> float:
 
 
 def build_checkpoint(shape: ModelShape, folder: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    cfg = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+    config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[shape.arch]
+    cfg = getattr(transformers, config_cls)(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                       num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
                       num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, tie_word_embeddings=shape.tied,
                       max_position_embeddings=4096, rope_theta=1e6, bos_token_id=1, eos_token_id=2)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)  # random init, on the GPU
+        model = getattr(transformers, model_cls)(cfg).to(torch.bfloat16)  # random init, on the GPU
     model.save_pretrained(folder)
     del model
     torch.cuda.empty_cache()
