@@ -11,7 +11,7 @@ from . import LLM, SamplingParams
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m stage1_naive", description=__doc__)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="short name or local HF folder")
-    parser.add_argument("--prompt", default="What is the capital of France? Answer in one paragraph.")
+    parser.add_argument("--prompt", default="Write a short story about a robot who learns to paint.")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="wrap the prompt in the model's chat template (default on)")
     parser.add_argument("--max-new-tokens", type=int, default=100)
