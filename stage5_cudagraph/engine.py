@@ -138,9 +138,6 @@ class Engine:
         if prompt_len >= self.max_context_len:
             raise ValueError(f"prompt has {prompt_len} tokens; the model's context is "
                              f"{self.max_context_len}, leaving no room to generate")
-        pool_tokens = self.kv_pool.num_pages * self.kv_pool.page_size
-        if prompt_len + 1 > pool_tokens:
-            raise ValueError(f"prompt has {prompt_len} tokens but the whole KV pool holds {pool_tokens}")
 
     def prepare(self, batch: Batch) -> ForwardBatch:
         """Pack the batch's uncached tokens into flat tensors plus the metadata attention needs."""

@@ -30,12 +30,12 @@ def test_golden_file_matches_transformers_now(model: str):
 
 @pytest.mark.parametrize("model", GOLDEN_MODELS)
 def test_golden_prompts_cover_the_brief(model: str):
-    cases = {c["name"]: c for c in load_golden(model)["cases"]}
+    golden = load_golden(model)
+    cases = {c["name"]: c for c in golden["cases"]}
     assert set(cases) == {"english", "code", "chinese", "chat", "one_token", "long"}
     assert len(cases["one_token"]["input_ids"]) == 1
     assert len(cases["long"]["input_ids"]) >= 300
     assert any(ord(ch) > 0x3000 for ch in cases["chinese"]["prompt"])
-    golden = load_golden(model)
     eos = json.loads((resolve_model(model) / "generation_config.json").read_text())["eos_token_id"]
     eos = {eos} if isinstance(eos, int) else set(eos)
     for case in cases.values():  # each reference runs to max_new_tokens or stops on EOS

@@ -110,7 +110,8 @@ class Scheduler:
         pool_tokens = self.cache.pool.num_pages * self.cache.page_size
         if min(req.max_device_len, self.engine.max_context_len) > pool_tokens:
             raise ValueError(f"request needs up to {req.max_device_len} tokens of KV cache (prompt + "
-                             f"max_new_tokens) but the whole pool holds {pool_tokens}; lower max_new_tokens")
+                             f"max_new_tokens) but the whole pool holds {pool_tokens}; shorten the prompt or "
+                             "max_new_tokens")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         req.arrival = self.step_count
