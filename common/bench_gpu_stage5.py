@@ -1,6 +1,7 @@
 """Stage 5 on a CUDA GPU: CUDA graphs and overlap, measured on random-weight models of real shapes.
 
     python -m common.bench_gpu_stage5 --out DIR [--models qwen3-0.6b-shape llama3-8b-shape] [--batch-sizes 1 8 32]
+    python -m common.bench_gpu_stage5 --out DIR --smoke   # CPU: a tiny shape, graphs from common/graph_emulator.py
 
 For each shape: build a random-weight bf16 checkpoint on the GPU (transformers, saved as safetensors), load it into
 stage 5, and measure
@@ -10,6 +11,9 @@ stage 5, and measure
     bandwidth measured on this GPU (a big device-to-device copy reads and writes every byte once);
   - end-to-end throughput vs transformers `generate` (same weights, same batch, greedy, fixed output length).
 Writes DIR/stage5_gpu.json and DIR/stage5_gpu.md (the table for the stage README).
+
+`--smoke` runs every step of the script on the CPU with a tiny random model, the graph runner on the CPU emulator
+(common/graph_emulator.py): its timings mean nothing, it exists so the plumbing is tested without a GPU.
 
 The Qwen3-0.6B shape is a Qwen3ForCausalLM (28 layers, hidden 1024, 16 q / 8 kv heads of 128, q/k norm, vocab
 151936, tied embeddings); the Llama-3-8B shape a LlamaForCausalLM (32 layers, hidden 4096, 32 q / 8 kv heads).
@@ -49,6 +53,10 @@ class ModelShape:
     def llama3_8b(cls) -> "ModelShape":
         return cls("llama3-8b-shape", 128256, 4096, 14336, 32, 32, 8, 128, False)
 
+    @classmethod
+    def tiny(cls) -> "ModelShape":
+        return cls("tiny-shape", 512, 64, 128, 2, 4, 2, 16, True, arch="qwen3")
+
     def layer_params(self) -> int:
         attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)  # q, o + k, v
         return attn + 3 * self.hidden * self.intermediate + 2 * self.hidden  # + gate, up, down + 2 norms
@@ -73,20 +81,25 @@ def floor_seconds(bytes_read: int, bandwidth_bytes_per_s: float) -> float:
     return bytes_read / bandwidth_bytes_per_s
 
 
+def sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
 def copy_bandwidth(device: str, gib: float = 2.0, repeats: int = 20) -> float:
     """Bytes/s of a device-to-device copy (each byte read once and written once, so 2 x size per copy)."""
     src = torch.empty(int(gib * (1 << 30)), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    torch.cuda.synchronize()
+    sync(device)
     start = time.perf_counter()
     for _ in range(repeats):
         dst.copy_(src)
-    torch.cuda.synchronize()
+    sync(device)
     return 2 * src.numel() * repeats / (time.perf_counter() - start)
 
 
-def build_checkpoint(shape: ModelShape, folder: Path) -> None:
+def build_checkpoint(shape: ModelShape, folder: Path, device: str) -> None:
     import transformers
 
     config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -95,15 +108,19 @@ def build_checkpoint(shape: ModelShape, folder: Path) -> None:
                       num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
                       num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, tie_word_embeddings=shape.tied,
                       max_position_embeddings=4096, rope_theta=1e6, bos_token_id=1, eos_token_id=2)
-    with torch.device("cuda"):
+    torch.manual_seed(0)
+    with torch.device(device):
         model = getattr(transformers, model_cls)(cfg).to(torch.bfloat16)  # random init, on the GPU
     model.save_pretrained(folder)
     del model
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def decode_run(engine, batch_size: int, prompt_len: int, steps: int, overlap: bool) -> dict:
-    """Prefill batch_size requests, then time `steps` decode steps; -> step time and device utilisation."""
+    """Prefill batch_size requests, then time `steps` decode steps; -> step time, device utilisation, and how many
+    decode steps replayed a graph (all of them with graphs on, none with them off: the run says which path ran)."""
+    dev = str(engine.device)
     from stage5_cudagraph.core import Req, SamplingParams
     from stage5_cudagraph.scheduler import Scheduler
 
@@ -115,21 +132,25 @@ def decode_run(engine, batch_size: int, prompt_len: int, steps: int, overlap: bo
         sched.step()
     for _ in range(3):  # warm-up decode steps
         sched.step()
-    torch.cuda.synchronize()
+    sched.drain()
+    sync(dev)
     sched.timings.clear()
+    replays = engine.num_graph_replays
     start = time.perf_counter()
     for _ in range(steps):
         sched.step()
     sched.drain()
-    torch.cuda.synchronize()
+    sync(dev)
     wall = time.perf_counter() - start
+    replays = engine.num_graph_replays - replays
     busy = sum(t.device_seconds for t in sched.timings if t.phase == "decode")
     cpu = sum(t.cpu_seconds for t in sched.timings if t.phase == "decode")
     for rid in list(sched.reqs):
         sched.abort(rid)
     sched.drain()
     sched.worker.shutdown()
-    return {"step_ms": 1e3 * wall / steps, "device_util": busy / wall, "cpu_ms_per_step": 1e3 * cpu / steps}
+    return {"step_ms": 1e3 * wall / steps, "device_util": busy / wall, "cpu_ms_per_step": 1e3 * cpu / steps,
+            "graph_replays": replays, "steps": steps}
 
 
 def throughput(engine, folder: Path, batch_size: int, prompt_len: int, new_tokens: int) -> dict:
@@ -139,29 +160,36 @@ def throughput(engine, folder: Path, batch_size: int, prompt_len: int, new_token
     from stage5_cudagraph.core import Req, SamplingParams
     from stage5_cudagraph.scheduler import Scheduler
 
-    prompts = [[(11 * i + j) % 1000 + 3 for j in range(prompt_len)] for i in range(batch_size)]
+    dev = str(engine.device)
+    vocab = engine.config.vocab_size
+    prompts = [[(11 * i + j) % min(1000, vocab - 3) + 3 for j in range(prompt_len)] for i in range(batch_size)]
     sched = Scheduler(engine, None, max_prefill_tokens=4096)
-    torch.cuda.synchronize()
+    sync(dev)
     start = time.perf_counter()
     for i, p in enumerate(prompts):
         sched.add_request(Req(i, p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)))
+    outputs = {}
     while sched.has_unfinished():
-        sched.step()
-    torch.cuda.synchronize()
+        for out in sched.step():
+            outputs.setdefault(out.rid, []).extend(out.new_token_ids)
+    sync(dev)
     ours = batch_size * new_tokens / (time.perf_counter() - start)
     sched.worker.shutdown()
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cuda").eval()
-    ids = torch.tensor(prompts, device="cuda")
+    assert sorted(len(v) for v in outputs.values()) == [new_tokens] * batch_size, "a request lost tokens"
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(dev).eval()
+    ids = torch.tensor(prompts, device=dev)
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     hf.generate(ids[:1], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
-    torch.cuda.synchronize()
+    sync(dev)
     start = time.perf_counter()
     with torch.inference_mode():
-        hf.generate(ids, attention_mask=torch.ones_like(ids), **kw)
-    torch.cuda.synchronize()
+        hf_out = hf.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    sync(dev)
     theirs = batch_size * new_tokens / (time.perf_counter() - start)
+    assert hf_out.shape == (batch_size, prompt_len + new_tokens), "HF generated another number of tokens"
     del hf
-    torch.cuda.empty_cache()
+    if dev.startswith("cuda"):
+        torch.cuda.empty_cache()
     return {"batch": batch_size, "stage5_tok_s": ours, "hf_tok_s": theirs, "speedup": ours / theirs}
 
 
@@ -172,10 +200,11 @@ def bench_shape(shape: ModelShape, args, bandwidth: float) -> dict:
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         folder = Path(tmp)
         t = time.perf_counter()
-        build_checkpoint(shape, folder)
+        build_checkpoint(shape, folder, args.device)
         result["build_s"] = time.perf_counter() - t
-        engine = Engine(folder, device="cuda", dtype="bfloat16", kv_cache_bytes=args.kv_cache_gb << 30,
-                        max_running_requests=max(args.batch_sizes), cuda_graph_max_bs=max(args.batch_sizes))
+        engine = Engine(folder, device=args.device, dtype="bfloat16", kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
+                        max_running_requests=max(args.batch_sizes + [args.tp_batch]),
+                        cuda_graph_max_bs=max(args.batch_sizes + [args.tp_batch]))
         runner = engine.graph_runner
         rows = []
         for bs in args.batch_sizes:
@@ -196,20 +225,22 @@ def bench_shape(shape: ModelShape, args, bandwidth: float) -> dict:
                            "ratio": None if b1 is None else b1 / floor}
         result["throughput"] = throughput(engine, folder, args.tp_batch, args.prompt_len, args.tp_tokens)
         del engine
-        torch.cuda.empty_cache()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     return result
 
 
 def markdown(report: dict) -> str:
     lines = [f"Measured {report['date']} on {report['device']} (torch {report['torch']}), bf16, copy bandwidth "
              f"{report['bandwidth_gb_s']:.0f} GB/s.", "",
-             "| model | batch | step ms, graphs on | graphs off | graphs on, util | graphs off, util | CPU ms/step |",
-             "|---|---|---|---|---|---|---|"]
+             "| model | batch | step ms, graphs on | graphs off | graphs on, util | graphs off, util | CPU ms/step | "
+             "steps replayed (on / off) |", "|---|---|---|---|---|---|---|---|"]
     for m in report["models"]:
         for r in m["decode"]:
             on, off = r["graphs_on"], r["graphs_off"]
             lines.append(f"| {m['shape']['name']} | {r['batch']} | {on['step_ms']:.2f} | {off['step_ms']:.2f} | "
-                         f"{on['device_util']:.0%} | {off['device_util']:.0%} | {on['cpu_ms_per_step']:.2f} |")
+                         f"{on['device_util']:.0%} | {off['device_util']:.0%} | {on['cpu_ms_per_step']:.2f} | "
+                         f"{on['graph_replays']}/{on['steps']} / {off['graph_replays']}/{off['steps']} |")
     lines += ["", "| model | batch-1 step ms | bandwidth floor ms (weights + KV) | ratio | stage 5 tok/s | HF tok/s | "
               "speed-up |", "|---|---|---|---|---|---|---|"]
     for m in report["models"]:
@@ -221,7 +252,7 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m common.bench_gpu_stage5", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -231,14 +262,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--tp-batch", type=int, default=32, help="batch of the throughput comparison")
     parser.add_argument("--tp-tokens", type=int, default=128, help="output tokens per request there")
-    parser.add_argument("--kv-cache-gb", type=int, default=8)
+    parser.add_argument("--kv-cache-gb", type=float, default=8)
     parser.add_argument("--tmp", default=None, help="where the random checkpoints are written")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shape, emulated graphs: tests the script")
     args = parser.parse_args(argv)
+    if args.smoke:
+        import stage5_cudagraph.graph
+
+        from common import graph_emulator
+
+        args.device, args.models, args.batch_sizes = "cpu", ["tiny-shape"], [1, 3]
+        args.prompt_len, args.steps, args.tp_batch, args.tp_tokens, args.kv_cache_gb = 16, 4, 4, 8, 0.01
+        with graph_emulator.emulating(stage5_cudagraph.graph):  # the graph runner runs (slowly) on the CPU
+            return run(args)
     if not torch.cuda.is_available():
-        parser.exit(2, "error: this benchmark needs a CUDA GPU\n")
-    shapes = {s.name: s for s in (ModelShape.qwen3_0_6b(), ModelShape.llama3_8b())}
-    bandwidth = copy_bandwidth("cuda")
-    report = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+        parser.exit(2, "error: this benchmark needs a CUDA GPU (--smoke runs a CPU rehearsal)\n")
+    args.device = "cuda"
+    return run(args)
+
+
+def run(args) -> dict:
+    shapes = {s.name: s for s in (ModelShape.qwen3_0_6b(), ModelShape.llama3_8b(), ModelShape.tiny())}
+    bandwidth = copy_bandwidth(args.device, gib=0.05 if args.smoke else 2.0)
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (smoke run: timings mean nothing)"
+    report = {"date": datetime.date.today().isoformat(), "device": device_name,
               "torch": torch.__version__, "bandwidth_gb_s": bandwidth / 1e9, "models": []}
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.models:
@@ -246,6 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         (args.out / "stage5_gpu.json").write_text(json.dumps(report, indent=1))  # keep partial results
     (args.out / "stage5_gpu.md").write_text(markdown(report))
     print(markdown(report))
+    return report
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch
 
 from .attention import ForwardBatch, create_backend
 from .core import Batch
-from .graph import GraphRunner
+from .graph import GraphRunner, can_capture
 from .kv_cache import PageTable, PagedKVPool
 from .models import ModelConfig, build_model
 from .tokenizer import read_eos_token_ids
@@ -105,7 +105,7 @@ class Engine:
                              f"({bytes_per_token} bytes per token)")
         # CUDA graphs pad batches with rows whose K/V must land somewhere harmless: one extra page that the cache
         # manager never sees (num_pages stays the usable count) holds the dummy slot.
-        use_graphs = cuda_graph and self.device.type == "cuda"
+        use_graphs = cuda_graph and can_capture(self.device)
         self.kv_pool = PagedKVPool(cfg.num_layers, num_pages + int(use_graphs), page_size, cfg.num_kv_heads,
                                    cfg.head_dim, dtype, self.device)
         self.kv_pool.num_pages = num_pages

@@ -25,6 +25,14 @@ import torch
 
 from .attention import ForwardBatch
 
+# The CUDA API this file uses. CPU tests swap in common/graph_emulator.py, which records and replays ops the way a
+# graph does, so the buffers, padding and replay below run (and are checked for graph safety) without a GPU.
+cuda = torch.cuda
+
+
+def can_capture(device: torch.device) -> bool:
+    return device.type == "cuda" or getattr(cuda, "EMULATED", False)
+
 
 def bucket_sizes(max_bs: int) -> list[int]:
     """1, 2, 4, 8, 16, 24, ... up to max_bs (max_bs itself always included)."""
@@ -58,7 +66,7 @@ class GraphRunner:
         self.last_token_indices = torch.arange(self.max_bs, dtype=torch.long, device=dev)
         # The torch backend gathers max_seq_len keys: capture with the most the page table can hold.
         self.max_seq_len = engine.page_table.table.shape[1] * engine.kv_pool.page_size
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # bs -> static logits [bs, vocab] the graph writes
         self.pool = None
         self.capture()
@@ -80,16 +88,16 @@ class GraphRunner:
     def capture(self) -> None:
         # Warm up outside capture on a side stream: cuBLAS handles, Triton compilation and autotuning must not
         # happen while recording (torch's documented recipe). The buffers hold padding: writes go to the dummy slot.
-        side = torch.cuda.Stream(self.engine.device)
-        side.wait_stream(torch.cuda.current_stream(self.engine.device))
-        with torch.cuda.stream(side):
+        side = cuda.Stream(self.engine.device)
+        side.wait_stream(cuda.current_stream(self.engine.device))
+        with cuda.stream(side):
             for bs in self.buckets:
                 self._run_model(bs)
-        torch.cuda.current_stream(self.engine.device).wait_stream(side)
-        torch.cuda.synchronize(self.engine.device)
+        cuda.current_stream(self.engine.device).wait_stream(side)
+        cuda.synchronize(self.engine.device)
         for bs in reversed(self.buckets):  # largest first: the smaller graphs fit in its memory
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            graph = cuda.CUDAGraph()
+            with cuda.graph(graph, pool=self.pool):
                 out = self._run_model(bs)  # recorded, not run
             if self.pool is None:
                 self.pool = graph.pool()

@@ -1,0 +1,166 @@
+"""A CPU stand-in for the slice of `torch.cuda` that a CUDA-graph runner uses, so graph code runs in CPU tests.
+
+A CUDA graph records kernels with their pointer arguments and replays them: the same kernels on the same addresses
+with the same shapes, whatever the host would compute differently today. This emulator does the same one level up.
+While "capturing" it records every aten op (and every Triton kernel launch) together with the tensor objects it
+read and wrote; `replay()` runs that list again on the same tensors, writing each op's result into the tensor the
+capture produced (a fixed address, as in a real graph). So a forward that is not graph-safe fails here as on a GPU:
+
+- host syncs (`.item()`, `int(t)`, `if t:`, `nonzero`, boolean-mask indexing) raise during capture, as CUDA's
+  "operation not permitted when stream is capturing" does;
+- tensors made from host data during capture (`torch.tensor([...])`, an H2D copy from pageable memory) raise;
+- a shape or Python number computed from the data at capture time stays frozen at replay, exactly as it would in a
+  CUDA graph: the replayed result is then wrong (or an op's output changes shape, which raises here).
+
+What it does not check: streams and their ordering, memory-pool sizes, timing. It is test support: engine code
+never imports it; tests swap it in for the module-level `cuda` name of a stage's graph.py:
+
+    monkeypatch.setattr(stage5_cudagraph.graph, "cuda", graph_emulator)   # in a test
+    with graph_emulator.emulating(stage5_cudagraph.graph): ...            # anywhere else
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten
+
+EMULATED = True  # graph.py's `can_capture` accepts any device when the API it holds is this one
+
+aten = torch.ops.aten
+HOST_SYNC = {  # ops whose result the host must wait for, or whose output shape depends on the data
+    aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.equal.default,
+    aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
+    aten.unique_consecutive.default, aten.bincount.default,
+}
+HOST_DATA = {aten.lift_fresh.default, aten.lift_fresh_copy.default}  # torch.tensor(data): a copy from host memory
+
+
+class GraphCaptureError(RuntimeError):
+    pass
+
+
+_capturing = threading.local()  # the graph being recorded on this thread, if any
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, graph: "CUDAGraph"):
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in HOST_SYNC:
+            raise GraphCaptureError(f"{func} needs the data on the host: not allowed while capturing a graph")
+        if func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
+            raise GraphCaptureError(f"{func} with a boolean mask: its output shape depends on the data (nonzero)")
+        if func in HOST_DATA:
+            raise GraphCaptureError(f"{func}: a tensor built from host data (torch.tensor) inside a captured region")
+        out = func(*args, **kwargs)
+        self.graph.ops.append(("aten", func, args, kwargs, out))
+        return out
+
+
+def _record_triton_launches() -> None:
+    """Triton kernels run outside torch's dispatcher: record each launch as one op (interpreter mode only)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return
+    if getattr(InterpretedFunction.run, "_emulator_hook", False):
+        return
+    run = InterpretedFunction.run
+
+    def recorded_run(self, *args, grid, warmup, **kwargs):
+        graph = getattr(_capturing, "graph", None)
+        if graph is None or warmup:
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        graph.ops.append(("triton", self, args, dict(kwargs, grid=grid, warmup=warmup), None))
+        with _disable_current_modes():  # the interpreter's own copies are part of the launch, not recorded ops
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    recorded_run._emulator_hook = True
+    InterpretedFunction.run = recorded_run
+
+
+class CUDAGraph:
+    def __init__(self):
+        self.ops: list[tuple] = []
+        self.num_replays = 0
+
+    def replay(self) -> None:
+        with torch.inference_mode():  # writes into tensors captured under inference mode (no autograd on a GPU graph)
+            self._replay()
+        self.num_replays += 1
+
+    def _replay(self) -> None:
+        for kind, func, args, kwargs, out in self.ops:
+            if kind == "triton":  # func is the kernel: launch it again with the recorded arguments and grid
+                type(func).run(func, *args, **kwargs)
+                continue
+            result = func(*args, **kwargs)
+            inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                      if isinstance(t, torch.Tensor)}
+            for orig, new in zip(tree_flatten(out)[0], tree_flatten(result)[0]):
+                if not isinstance(orig, torch.Tensor) or orig.untyped_storage().data_ptr() in inputs:
+                    continue  # a view or an in-place result: the write already landed in the captured memory
+                if orig.shape != new.shape:
+                    raise GraphCaptureError(f"{func} produced shape {tuple(new.shape)} at replay but "
+                                            f"{tuple(orig.shape)} at capture: its shape depends on the data")
+                orig.copy_(new)
+
+    def pool(self):
+        return ("emulated-pool", id(self))
+
+
+@contextlib.contextmanager
+def graph(cuda_graph: CUDAGraph, pool=None, stream=None):
+    """Record the ops of the block into `cuda_graph` (they also run once, so the block's outputs exist)."""
+    if getattr(_capturing, "graph", None) is not None:
+        raise GraphCaptureError("nested graph capture")
+    _record_triton_launches()
+    _capturing.graph = cuda_graph
+    try:
+        with _Recorder(cuda_graph):
+            yield cuda_graph
+    finally:
+        _capturing.graph = None
+
+
+class Stream:
+    def __init__(self, device=None):
+        self.device = device
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def stream(s):
+    yield s
+
+
+def current_stream(device=None) -> Stream:
+    return Stream(device)
+
+
+def synchronize(device=None) -> None:
+    pass
+
+
+@contextlib.contextmanager
+def emulating(graph_module):
+    """Within the block, `graph_module` (a stage's graph.py) captures and replays through this emulator."""
+    previous, graph_module.cuda = graph_module.cuda, sys.modules[__name__]
+    try:
+        yield
+    finally:
+        graph_module.cuda = previous
