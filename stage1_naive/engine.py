@@ -23,6 +23,21 @@ from .weights import load_weights
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """The torch.device for `device`, refusing one this machine lacks with a message that says so (not a traceback
+    from deep inside torch at the first allocation)."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"unknown device {device!r} ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(dev)!r} asked for, but torch {torch.__version__} sees no CUDA GPU here; "
+                         "use device='cpu'")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {str(dev)!r} asked for, but this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return dev
+
+
 def read_eos_token_ids(model_path: Path, hf_config: dict) -> set[int]:
     """EOS may be one id or a list, in config.json and/or generation_config.json: take them all."""
     ids: set[int] = set()
@@ -50,7 +65,7 @@ class Engine:
             raise ValueError(f"kv_cache must be 'static' or 'growing', got {kv_cache!r}")
         hf_config = json.loads((model_path / "config.json").read_text())
         self.config = ModelConfig.from_hf(hf_config)
-        self.device, self.dtype, self.kv_cache_kind = torch.device(device), dtype, kv_cache
+        self.device, self.dtype, self.kv_cache_kind = check_device(device), dtype, kv_cache
         self.eos_token_ids = read_eos_token_ids(model_path, hf_config)
 
         self.model = LlamaForCausalLM(self.config).to(self.device).eval()

@@ -29,6 +29,21 @@ from .weights import load_weights
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """The torch.device for `device`, refusing one this machine lacks with a message that says so (not a traceback
+    from deep inside torch at the first allocation)."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"unknown device {device!r} ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(dev)!r} asked for, but torch {torch.__version__} sees no CUDA GPU here; "
+                         "use device='cpu'")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {str(dev)!r} asked for, but this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return dev
+
+
 @dataclass
 class MemoryReport:
     """What the model costs in memory: the weights once, plus the KV cache per token of every sequence."""
@@ -79,7 +94,7 @@ class Engine:
         hf_config = json.loads((model_path / "config.json").read_text())
         config = ModelConfig.from_hf(hf_config)  # refuses what it cannot run, before any allocation
         dtype = resolve_dtype(dtype, config)
-        self.device, self.dtype, self.max_batch_size = torch.device(device), dtype, max_batch_size
+        self.device, self.dtype, self.max_batch_size = check_device(device), dtype, max_batch_size
         self.eos_token_ids = set(eos_token_ids) if eos_token_ids else read_eos_token_ids(model_path, hf_config)
         self.attn_backend = create_backend(attention_backend, self.device)
 
