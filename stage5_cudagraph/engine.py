@@ -97,6 +97,8 @@ class Engine:
         if page_size < 1 or max_running_requests < 1:
             raise ValueError(f"page_size and max_running_requests must be >= 1, got {page_size}, "
                              f"{max_running_requests}")
+        if cuda_graph_max_bs < 1:  # checked on every device: a setting that would fail on a GPU fails here too
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {cuda_graph_max_bs}")
         hf_config = json.loads((model_path / "config.json").read_text())
         config = ModelConfig.from_hf(hf_config)  # refuses what it cannot run, before any allocation
         dtype = resolve_dtype(dtype, config)

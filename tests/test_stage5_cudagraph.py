@@ -144,6 +144,11 @@ def test_cpu_takes_the_eager_path(llms):
     assert engine.kv_pool.k.shape[1] == engine.kv_pool.num_pages  # no dummy page without graphs
 
 
+def test_bad_graph_batch_size_is_refused_on_every_device(path):
+    with pytest.raises(ValueError, match="cuda_graph_max_bs must be >= 1, got 0"):
+        LLM(path, cuda_graph_max_bs=0)
+
+
 def test_buckets():
     assert bucket_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert bucket_sizes(5) == [1, 2, 4, 5] and bucket_sizes(20) == [1, 2, 4, 8, 16, 20]
