@@ -176,7 +176,8 @@ def throughput(engine, folder: Path, batch_size: int, prompt_len: int, new_token
     ours = batch_size * new_tokens / (time.perf_counter() - start)
     sched.worker.shutdown()
     assert sorted(len(v) for v in outputs.values()) == [new_tokens] * batch_size, "a request lost tokens"
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(dev).eval()
+    on_gpu = {"device_map": dev} if dev.startswith("cuda") else {}  # straight onto the GPU (accelerate)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, **on_gpu).to(dev).eval()
     ids = torch.tensor(prompts, device=dev)
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     hf.generate(ids[:1], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
