@@ -104,10 +104,11 @@ def build_checkpoint(shape: ModelShape, folder: Path, device: str) -> None:
 
     config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
                              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[shape.arch]
-    cfg = getattr(transformers, config_cls)(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                      num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                      num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, tie_word_embeddings=shape.tied,
-                      max_position_embeddings=4096, rope_theta=1e6, bos_token_id=1, eos_token_id=2)
+    cfg = getattr(transformers, config_cls)(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim, tie_word_embeddings=shape.tied, max_position_embeddings=4096, rope_theta=1e6,
+        bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     with torch.device(device):
         model = getattr(transformers, model_cls)(cfg).to(torch.bfloat16)  # random init, on the GPU
