@@ -12,6 +12,15 @@ from .core import Req, SamplingParams
 from .engine import Engine
 
 Prompt = Union[str, list[int]]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # what AutoTokenizer can build from
+
+
+def check_tokenizer_files(model_path: Path) -> None:
+    """A checkpoint folder without any tokenizer file (a random-weight model built from a config, say) is refused here
+    with its name, not by a puzzling error from deep inside transformers."""
+    if not any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"no tokenizer in {model_path} (none of {', '.join(TOKENIZER_FILES)}): copy in the "
+                                "tokenizer files of the model's family")
 
 
 @dataclass
@@ -55,6 +64,7 @@ class LLM:
         from transformers import AutoTokenizer  # the tokenizer is not the lesson yet: stage 3 writes its own
 
         self.model_path = resolve_model_path(model)
+        check_tokenizer_files(self.model_path)
         self.engine = Engine(self.model_path, device=device, dtype=dtype, attention_backend=attention_backend,
                              max_batch_size=max_batch_size)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))

@@ -63,12 +63,24 @@ def read_eos_token_ids(model_path: Path, hf_config: dict | None = None) -> set[i
     return ids
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # what AutoTokenizer can build from
+
+
+def check_tokenizer_files(model_path: Path) -> None:
+    """A checkpoint folder without any tokenizer file (a random-weight model built from a config, say) is refused here
+    with its name, not by a puzzling error from deep inside transformers."""
+    if not any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"no tokenizer in {model_path} (none of {', '.join(TOKENIZER_FILES)}): copy in the "
+                                "tokenizer files of the model's family")
+
+
 class Tokenizer:
     def __init__(self, model_path: str | Path, config: TokenizerConfig | None = None):
         from transformers import AutoTokenizer  # imported here: `import stage3_weights` stays light
 
         self.config = config = config or TokenizerConfig()
         config.validate()
+        check_tokenizer_files(Path(model_path))
         self.hf = AutoTokenizer.from_pretrained(str(model_path))
         for name in ("bos_token", "eos_token", "pad_token"):  # fill what the caller left empty
             if getattr(config, name) is None:
