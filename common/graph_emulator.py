@@ -13,7 +13,8 @@ capture produced (a fixed address, as in a real graph). So a forward that is not
   CUDA graph: the replayed result is then wrong (or an op's output changes shape, which raises here).
 
 What it does not check: streams and their ordering, memory-pool sizes, timing, and device placement (on a CPU every
-tensor is a "device" tensor, so a host-to-device copy inside the capture goes unnoticed unless it is torch.tensor(...)).
+tensor is a "device" tensor, so a host-to-device copy inside the capture goes unnoticed unless it is
+`torch.tensor(...)`).
 A real capture also records without running; the emulator runs the block once, like the warm-up before a capture. It is test support: engine code
 never imports it; tests swap it in for the module-level `cuda` name of a stage's graph.py:
 
