@@ -14,9 +14,9 @@ capture produced (a fixed address, as in a real graph). So a forward that is not
 
 What it does not check: streams and their ordering, memory-pool sizes, timing, and device placement (on a CPU every
 tensor is a "device" tensor, so a host-to-device copy inside the capture goes unnoticed unless it is
-`torch.tensor(...)`).
-A real capture also records without running; the emulator runs the block once, like the warm-up before a capture. It is test support: engine code
-never imports it; tests swap it in for the module-level `cuda` name of a stage's graph.py:
+`torch.tensor(...)`). A real capture also records without running; the emulator runs the block once, like the warm-up
+before a capture. It is test support: engine code never imports it; tests swap it in for the module-level `cuda`
+name of a stage's graph.py:
 
     monkeypatch.setattr(stage5_cudagraph.graph, "cuda", graph_emulator)   # in a test
     with graph_emulator.emulating(stage5_cudagraph.graph): ...            # anywhere else
