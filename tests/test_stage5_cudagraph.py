@@ -127,12 +127,30 @@ def test_abort_while_in_flight(llms):
     other = llm.add_request([8, 9], SamplingParams(max_new_tokens=6, ignore_eos=True))
     for _ in range(3):
         llm.step()
+    aborted = llm.scheduler.reqs[rid]
     llm.scheduler.abort(rid)
     llm.scheduler.check_integrity()
+    assert aborted.output_ids and min(aborted.output_ids) >= 0  # its launched tokens were read, no placeholder
     while llm.has_unfinished_requests():
         llm.step()
     llm.scheduler.check_integrity()
     assert llm.scheduler.cache.num_used_pages == 0 and other not in llm.scheduler.reqs
+
+
+def test_abort_of_the_last_request_in_flight_frees_everything_at_once(llms):
+    """No later step() may come (nothing is unfinished): abort itself must read the launched step and free pages."""
+    llm = llms[True]
+    watch_releases(llm)
+    rid = llm.add_request([5, 6, 7], SamplingParams(max_new_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        llm.step()
+    req, sched = llm.scheduler.reqs[rid], llm.scheduler
+    assert sched.inflight  # a step of it is launched and unread
+    sched.abort(rid)
+    assert not llm.has_unfinished_requests() and not sched.inflight and not sched.deferred
+    assert sched.cache.num_used_pages == 0 and req.finish_reason == "abort"
+    assert min(req.output_ids) >= 0 and req.device_len == len(req.all_ids)
+    sched.check_integrity()
 
 
 def test_cpu_takes_the_eager_path(llms):

@@ -126,6 +126,9 @@ class Scheduler:
 
     def abort(self, rid: int) -> None:
         req = self.reqs.get(rid)
+        if req is not None and self._launched(req):
+            self.drain()  # read its launched tokens first: no placeholder stays in its output, its pages free now
+            req = self.reqs.get(rid)  # None if those tokens finished it anyway
         if req is not None:
             self._finish(req, "abort")
             self.detok.pop(rid, None)
@@ -231,8 +234,11 @@ class Scheduler:
             return tokens
 
         timing = StepTiming(self.step_count, batch.phase, batch.size, (start, time.perf_counter()))
+        # Alive until the step is read back: on CUDA the forward stream reads them after this thread drops them.
+        # fb.input_ids is listed on its own because engine.run replaces it with the resolved ids.
+        keep_alive = [fb, fb.input_ids, rows, sel]
         pending = self.worker.submit(device_step)  # without overlap, this runs the step before returning
-        pending.timing, pending.keep_alive = timing, [fb, rows, sel]  # alive until the step is read back
+        pending.timing, pending.keep_alive = timing, keep_alive
         self.inflight.append((batch, sampled, pending))
 
     def drain(self) -> None:
@@ -286,12 +292,16 @@ class Scheduler:
     def _finish(self, req: Req, reason: str, matched=None) -> None:
         req.status, req.finish_reason, req.matched_stop = ReqStatus.FINISHED, reason, matched
         if req.table_idx >= 0:
-            if any(r is req for b, _, _ in self.inflight for r in b.reqs):
+            if self._launched(req):
                 self.deferred.append(req)  # a launched batch may still write its KV pages: release after it
             else:
                 self.cache.release(req)
         self.reqs.pop(req.rid, None)
         self.generators.pop(req.rid, None)
+
+    def _launched(self, req: Req) -> bool:
+        """In a batch launched but not read back yet."""
+        return any(r is req for b, _, _ in self.inflight for r in b.reqs)
 
     def _maybe_log(self, batch: Batch, num_new_tokens: int) -> None:
         self._log_tokens += num_new_tokens
