@@ -34,16 +34,16 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
-        """Read the fields stage 1 understands from a config.json, refusing what it would silently get wrong."""
+        """Read the fields stage 2 understands from a config.json, refusing what it would silently get wrong."""
         arch = (hf.get("architectures") or ["?"])[0]
         if arch != "LlamaForCausalLM":
-            raise UnsupportedModelError(f"stage 1 runs only LlamaForCausalLM, this checkpoint is {arch}")
+            raise UnsupportedModelError(f"stage 2 runs only LlamaForCausalLM, this checkpoint is {arch}")
         # transformers 5 keeps rope settings in "rope_parameters"; older configs use rope_theta / rope_scaling.
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise UnsupportedModelError(f"stage 1 has no RoPE scaling, this checkpoint uses {rope}")
+            raise UnsupportedModelError(f"stage 2 has no RoPE scaling, this checkpoint uses {rope}")
         if hf.get("attention_bias") or hf.get("mlp_bias"):
-            raise UnsupportedModelError("stage 1 has no attention/MLP bias")
+            raise UnsupportedModelError("stage 2 has no attention/MLP bias")
         heads = hf["num_attention_heads"]
         return cls(
             vocab_size=hf["vocab_size"],

@@ -20,7 +20,7 @@ what this module owns is the policy.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Union
 
@@ -78,7 +78,8 @@ class Tokenizer:
     def __init__(self, model_path: str | Path, config: TokenizerConfig | None = None):
         from transformers import AutoTokenizer  # imported here: `import stage3_weights` stays light
 
-        self.config = config = config or TokenizerConfig()
+        # A copy: the fields filled in below are this checkpoint's, and the caller may reuse its config elsewhere.
+        self.config = config = replace(config) if config is not None else TokenizerConfig()
         config.validate()
         check_tokenizer_files(Path(model_path))
         self.hf = AutoTokenizer.from_pretrained(str(model_path))

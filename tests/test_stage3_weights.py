@@ -99,6 +99,15 @@ def test_unsupported_configs_are_refused_by_name(change, words):
     assert all(w in str(err.value) for w in words), err.value
 
 
+def test_null_or_missing_kv_heads_mean_one_per_query_head():
+    hf = hf_config("tiny-llama")
+    missing = {k: v for k, v in hf.items() if k != "num_key_value_heads"}
+    assert ModelConfig.from_hf(dict(hf, num_key_value_heads=None)).num_kv_heads == hf["num_attention_heads"]
+    assert ModelConfig.from_hf(missing).num_kv_heads == hf["num_attention_heads"]
+    with pytest.raises(ValueError, match="not a multiple of num_key_value_heads=3"):
+        ModelConfig.from_hf(dict(hf, num_key_value_heads=3))
+
+
 def test_sliding_window_caps_the_context():
     assert ModelConfig.from_hf(dict(hf_config("tiny-mistral"), sliding_window=64)).max_position_embeddings == 64
     qwen = dict(hf_config("tiny-qwen2"), sliding_window=64)  # recorded, but only used with use_sliding_window
@@ -322,6 +331,18 @@ def test_tokenizer_config_truncation_chat_template_and_padding():
     assert ids == [[5, 6, 7], [2, 2, 8]] and mask == [[1, 1, 1], [0, 0, 1]]
     with pytest.raises(ValueError, match="padding_side"):
         LLM("tiny-qwen3", verbose=False, tokenizer_config=TokenizerConfig(padding_side="middle"))
+
+
+def test_a_tokenizer_config_can_be_shared_between_models(tmp_path):
+    """The LLM fills in its checkpoint's tokens, template, EOS ids and context on its own copy, not the caller's."""
+    shared = TokenizerConfig(truncation=True)
+    folder = _copy("tiny-qwen2", tmp_path)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9]}))
+    first = LLM(str(folder), verbose=False, tokenizer_config=shared)
+    assert first.tokenizer.eos_token_ids == {2, 7, 9} and first.tokenizer.config.max_length is not None
+    assert shared == TokenizerConfig(truncation=True)  # untouched
+    second = LLM("tiny-qwen3", verbose=False, tokenizer_config=shared)
+    assert 7 not in second.tokenizer.eos_token_ids and second.tokenizer.config.truncation
 
 
 def test_dtype_auto_and_the_command_line(tmp_path):

@@ -80,9 +80,9 @@ class ModelConfig:
         if act != "silu":
             raise UnsupportedModelError(f"hidden_act={act!r}: this stage's MLP is SwiGLU (silu) only")
         heads = hf["num_attention_heads"]
-        if heads % hf.get("num_key_value_heads", heads):
-            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads="
-                             f"{hf['num_key_value_heads']}")
+        kv_heads = hf.get("num_key_value_heads") or heads  # absent or null: one KV head per query head (MHA)
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         theta, scaling = parse_rope(hf)
         max_pos = hf.get("max_position_embeddings", 2048)
         window = _sliding_window(hf)
@@ -98,7 +98,7 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            num_kv_heads=kv_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
