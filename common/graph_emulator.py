@@ -65,7 +65,13 @@ class _Recorder(TorchDispatchMode):
         if func in HOST_DATA:
             raise GraphCaptureError(f"{func}: a tensor built from host data (torch.tensor) inside a captured region")
         out = func(*args, **kwargs)
-        self.graph.ops.append(("aten", func, args, kwargs, out))
+        # Replay writes each new output back into the tensor captured here. Outputs in an input's storage (views,
+        # in-place results) need no write-back: the op itself writes the captured memory.
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        fresh = [(i, t) for i, t in enumerate(tree_flatten(out)[0])
+                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs]
+        self.graph.ops.append(("aten", func, args, kwargs, fresh))
         return out
 
 
@@ -102,16 +108,13 @@ class CUDAGraph:
         self.num_replays += 1
 
     def _replay(self) -> None:
-        for kind, func, args, kwargs, out in self.ops:
+        for kind, func, args, kwargs, fresh in self.ops:
             if kind == "triton":  # func is the kernel: launch it again with the recorded arguments and grid
                 type(func).run(func, *args, **kwargs)
                 continue
-            result = func(*args, **kwargs)
-            inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                      if isinstance(t, torch.Tensor)}
-            for orig, new in zip(tree_flatten(out)[0], tree_flatten(result)[0]):
-                if not isinstance(orig, torch.Tensor) or orig.untyped_storage().data_ptr() in inputs:
-                    continue  # a view or an in-place result: the write already landed in the captured memory
+            results = tree_flatten(func(*args, **kwargs))[0]
+            for i, orig in fresh:
+                new = results[i]
                 if orig.shape != new.shape:
                     raise GraphCaptureError(f"{func} produced shape {tuple(new.shape)} at replay but "
                                             f"{tuple(orig.shape)} at capture: its shape depends on the data")
@@ -140,9 +143,6 @@ class Stream:
         self.device = device
 
     def wait_stream(self, other) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
         pass
 
 
