@@ -172,8 +172,9 @@ def load_once(system: str, path: str, dtype: str) -> dict:
 def bench_load(args) -> None:
     from common.models import resolve_model
 
-    path = str(resolve_model(args.model))
-    size = sum(f.stat().st_size for f in resolve_model(args.model).glob("*.safetensors")) / 2**20
+    folder = resolve_model(args.model)
+    path = str(folder)
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20
     header(f"stage 3 loading: {args.model} ({size:.0f} MiB of safetensors), median of {args.repeats} fresh "
            f"processes each, load then one 4-token forward")
     load_once("stage3", path, "float32")  # warm the page cache: every system then reads from memory

@@ -204,9 +204,9 @@ def bench_shape(shape: ModelShape, args, bandwidth: float) -> dict:
         t = time.perf_counter()
         build_checkpoint(shape, folder, args.device)
         result["build_s"] = time.perf_counter() - t
+        max_bs = max(args.batch_sizes + [args.tp_batch])  # every batch of the run is a graph bucket
         engine = Engine(folder, device=args.device, dtype="bfloat16", kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
-                        max_running_requests=max(args.batch_sizes + [args.tp_batch]),
-                        cuda_graph_max_bs=max(args.batch_sizes + [args.tp_batch]))
+                        max_running_requests=max_bs, cuda_graph_max_bs=max_bs)
         runner = engine.graph_runner
         rows = []
         for bs in args.batch_sizes:

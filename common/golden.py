@@ -106,9 +106,9 @@ def load_hf_model(model_path: Path):
 
 def discover_stages() -> list[str]:
     """Every stage package that exists at the repo root, in course order: stage1_naive, stage2_batch, ..."""
-    root = GOLDEN_DIR.parent.parent
-    found = [p.name for p in root.glob("stage*_*") if (p / "__init__.py").exists()]
-    return sorted(found, key=lambda name: int(name[len("stage"):].split("_")[0]))
+    from common.stages import find_stages  # the one definition of what a stage folder is
+
+    return [stage.name for stage in find_stages(GOLDEN_DIR.parent.parent)]
 
 
 def load_golden(model: str) -> dict:
@@ -135,6 +135,19 @@ def compare(got: list[int], want: list[int], margins: list[float], tie_margin: f
     if len(got) > len(want):
         return Comparison(False, len(want), f"generated {len(got)} tokens, reference stopped at {len(want)}")
     return Comparison(True, len(want), "identical")
+
+
+def failures(results, golden: dict) -> list[str]:
+    """Check one generate() over all of a golden file's prompts (results in case order): an empty list, or what
+    went wrong per case. Tokens by `compare`; where every token matched, the decoded text must match too."""
+    problems = []
+    for case, result in zip(golden["cases"], results, strict=True):
+        cmp = compare(list(result.token_ids), case["output_ids"], case["margins"])
+        if not cmp.ok:
+            problems.append(f"{case['name']}: {cmp.message}")
+        elif cmp.matched == len(case["output_ids"]) and result.text != case["text"]:
+            problems.append(f"{case['name']}: same tokens but text {result.text!r} != {case['text']!r}")
+    return problems
 
 
 def main(argv: list[str] | None = None) -> None:

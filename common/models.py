@@ -69,6 +69,13 @@ def _add_legacy_rope_keys(folder: Path) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def _copy_files(src: Path, dst: Path, names: tuple[str, ...]) -> None:
+    """Copy the named files of `src` that exist into `dst`."""
+    for name in names:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+
+
 def _write_generation_config(model: Any, bos: int, eos: int) -> None:
     from transformers import GenerationConfig
 
@@ -182,9 +189,7 @@ def _build_tiny(config_cls_name: str, seed: int, config: dict[str, Any], dst: Pa
     from transformers import AutoModelForCausalLM
 
     tok_dir = _tokenizer_source(cache_dir)
-    for file in _TOKENIZER_FILES:  # copied byte for byte, so every model tokenizes the same
-        if (tok_dir / file).is_file():
-            shutil.copyfile(tok_dir / file, dst / file)
+    _copy_files(tok_dir, dst, _TOKENIZER_FILES)  # byte for byte, so every model tokenizes the same
     ref = json.loads((tok_dir / "config.json").read_text())
 
     config_cls = getattr(transformers, config_cls_name)  # by name: importing us stays cheap
@@ -218,9 +223,7 @@ def pack_tokenizer(dest_cache: Path, *, cache_dir: Path | None = None) -> Path:
     src = resolve_model(SMOLLM2, cache_dir=cache_dir)
     dst = _tokenizer_dir(Path(dest_cache))
     dst.mkdir(parents=True, exist_ok=True)
-    for file in (*_TOKENIZER_FILES, "config.json"):
-        if (src / file).is_file():
-            shutil.copyfile(src / file, dst / file)
+    _copy_files(src, dst, (*_TOKENIZER_FILES, "config.json"))
     return dst
 
 

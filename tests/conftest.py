@@ -10,13 +10,7 @@ if not torch.cuda.is_available():
 
 def pytest_collection_modifyitems(config, items):
     """`cuda`-marked tests skip cleanly where there is no CUDA GPU (CI, the CPU machines)."""
-    try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except ImportError:
-        has_cuda = False
-    if has_cuda:
+    if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

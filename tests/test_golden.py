@@ -10,7 +10,7 @@ import importlib
 
 import pytest
 
-from common.golden import GOLDEN_MODELS, compare, discover_stages, load_golden
+from common.golden import GOLDEN_MODELS, discover_stages, failures, load_golden
 from common.models import resolve_model
 
 STAGES = discover_stages()
@@ -41,11 +41,5 @@ def test_golden_greedy(stage_name: str, model: str):
     results = llm.generate([c["prompt"] for c in cases],
                            stage.SamplingParams(max_new_tokens=golden["max_new_tokens"], temperature=0.0))
     assert len(results) == len(cases)
-    failures = []
-    for case, result in zip(cases, results):
-        cmp = compare(list(result.token_ids), case["output_ids"], case["margins"])
-        if not cmp.ok:
-            failures.append(f"{case['name']}: {cmp.message}")
-        elif cmp.matched == len(case["output_ids"]) and result.text != case["text"]:
-            failures.append(f"{case['name']}: same tokens but text {result.text!r} != {case['text']!r}")
-    assert not failures, f"{stage_name} on {model}:\n" + "\n".join(failures)
+    problems = failures(results, golden)
+    assert not problems, f"{stage_name} on {model}:\n" + "\n".join(problems)

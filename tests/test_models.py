@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -28,22 +27,6 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def _config(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())
-
-
-@pytest.fixture(scope="session")
-def smollm2_dir() -> Path:
-    return models.resolve_model(models.SMOLLM2)
-
-
-def _cache_with_tokenizer(cache: Path, smollm2_dir: Path) -> Path:
-    """A fresh cache holding only SmolLM2's small files, so tiny builds skip the conversion:
-    they need its tokenizer files and config.json (vocab size, bos/eos ids), not its weights."""
-    folder = cache / "models" / models.SMOLLM2
-    folder.mkdir(parents=True)
-    for file in smollm2_dir.iterdir():
-        if file.suffix != ".safetensors":
-            shutil.copyfile(file, folder / file.name)
-    return cache
 
 
 @pytest.mark.parametrize("name", list(models.KNOWN_MODELS))
@@ -98,19 +81,19 @@ def test_missing_gguf_package_names_the_install_command(monkeypatch: pytest.Monk
         models._find_gguf()
 
 
-def test_smollm2_conversion(smollm2_dir: Path) -> None:
+def test_smollm2_conversion(smollm2_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    config = _config(smollm2_dir)
+    config = _config(smollm2_path)
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["tie_word_embeddings"] is True
     assert "quantization_config" not in config
     assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (576, 30, 49152)
     assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 100000.0
-    generation = json.loads((smollm2_dir / "generation_config.json").read_text())
+    generation = json.loads((smollm2_path / "generation_config.json").read_text())
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (1, 2)
 
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
     assert (tok.bos_token, tok.eos_token, tok.eos_token_id) == ("<|im_start|>", "<|im_end|>", 2)
     text = tok.apply_chat_template([{"role": "user", "content": "Hi there"}], tokenize=False,
                                    add_generation_prompt=True)
@@ -152,9 +135,12 @@ def test_tiny_configs_exercise_their_features() -> None:
     assert mistral["sliding_window"] is None
 
 
-def test_tiny_build_is_deterministic(tmp_path: Path, smollm2_dir: Path) -> None:
-    builds = [models.resolve_model("tiny-qwen3", cache_dir=_cache_with_tokenizer(tmp_path / sub, smollm2_dir))
-              for sub in ("a", "b")]
+def test_tiny_build_is_deterministic(tmp_path: Path) -> None:
+    # Fresh caches holding only SmolLM2's tokenizer (pack_tokenizer), so the builds skip the GGUF conversion.
+    caches = [tmp_path / "a", tmp_path / "b"]
+    for cache in caches:
+        models.pack_tokenizer(cache)
+    builds = [models.resolve_model("tiny-qwen3", cache_dir=cache) for cache in caches]
     first, second = (_tensors(folder) for folder in builds)
     assert first.keys() == second.keys()
     assert all(torch.equal(first[key], second[key]) for key in first)
