@@ -55,10 +55,10 @@ def sample_tensor(logits: torch.Tensor, reqs: list[Req], generators: list[torch.
         return greedy_ids  # the fast path: no softmax, no sort, no random numbers
     B, V = logits.shape
     device = logits.device
-    temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=device)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    min_p = torch.tensor([p.min_p for p in params], device=device)
+    temperature = _on_device([1.0 if p.is_greedy else p.temperature for p in params], device)
+    top_k = _on_device([p.top_k if p.top_k > 0 else V for p in params], device)
+    top_p = _on_device([p.top_p for p in params], device)
+    min_p = _on_device([p.min_p for p in params], device)
 
     logits = logits.float() / temperature[:, None]  # [B, V]
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [B, V]
@@ -75,5 +75,15 @@ def sample_tensor(logits: torch.Tensor, reqs: list[Req], generators: list[torch.
     for b, gen in enumerate(generators):  # per-request generators: reproducible regardless of the batch
         noise[b].exponential_(generator=gen)
     sampled_ids = (probs / noise).argmax(dim=-1)  # [B]
-    is_greedy = torch.tensor([p.is_greedy for p in params], device=device)
+    is_greedy = _on_device([p.is_greedy for p in params], device)
     return torch.where(is_greedy, greedy_ids, sampled_ids)
+
+
+def _on_device(values: list, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor. On CUDA through pinned memory without blocking: this runs on the
+    overlap worker's stream, and a plain (pageable) copy would make the host wait for the whole forward queued
+    before it, so the worker could not launch the next step until the device ran dry."""
+    host = torch.tensor(values)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)  # torch's pinned-memory cache keeps it until copied
