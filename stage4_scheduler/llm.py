@@ -70,21 +70,26 @@ class StreamChunk:
 class LLM:
     def __init__(self, model: str | Path = "smollm2-135m-instruct", device: str = "cpu",
                  dtype: str | torch.dtype = "float32", attention_backend: str | None = None,
-                 kv_cache_bytes: int = 256 << 20, page_size: int = 16, max_running_requests: int = 128,
-                 max_prefill_tokens: int = 512, log_interval: int = 0, record_stats: bool = False,
-                 tokenizer_config: TokenizerConfig | None = None, progress: bool | None = None,
-                 verbose: bool = True):
-        """dtype: float32, bfloat16, float16 or "auto" (the checkpoint's). progress: a loading progress bar (None:
-        when stderr is a terminal). verbose: print one line on load with the memory report."""
+                 page_size: int = 16, max_running_requests: int = 128, max_total_tokens: int | None = None,
+                 mem_fraction_static: float | None = None, max_prefill_tokens: int = 16384,
+                 chunked_prefill_size: int = 512, schedule_conservativeness: float = 1.0, log_interval: int = 0,
+                 record_stats: bool = False, tokenizer_config: TokenizerConfig | None = None,
+                 progress: bool | None = None, verbose: bool = True):
+        """dtype: float32, bfloat16, float16 or "auto" (the checkpoint's). max_total_tokens / mem_fraction_static:
+        the KV pool's size (engine.plan_kv_pool). max_prefill_tokens, chunked_prefill_size, schedule_conservativeness:
+        admission (scheduler/prefill.py). progress: a loading progress bar (None: when stderr is a terminal).
+        verbose: print one line on load with the memory report and the KV pool's size."""
         self.model_path = resolve_model_path(model)
         self.tokenizer = Tokenizer(self.model_path, tokenizer_config)
         self.engine = Engine(self.model_path, device=device, dtype=dtype, attention_backend=attention_backend,
-                             kv_cache_bytes=kv_cache_bytes, page_size=page_size,
-                             max_running_requests=max_running_requests, eos_token_ids=self.tokenizer.eos_token_ids,
-                             progress=progress, verbose=verbose)
+                             page_size=page_size, max_running_requests=max_running_requests,
+                             max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
+                             eos_token_ids=self.tokenizer.eos_token_ids, progress=progress, verbose=verbose)
         if self.tokenizer.config.max_length is None:  # leave room for at least one generated token
             self.tokenizer.config.max_length = self.engine.max_context_len - 1
         self.scheduler = Scheduler(self.engine, self.tokenizer, max_prefill_tokens=max_prefill_tokens,
+                                   chunked_prefill_size=chunked_prefill_size,
+                                   schedule_conservativeness=schedule_conservativeness,
                                    log_interval=log_interval, record_stats=record_stats)
         self._next_rid = 0
 
@@ -126,6 +131,10 @@ class LLM:
         """One forward pass of the engine; what each touched request produced."""
         return self.scheduler.step()
 
+    def abort_request(self, rid: int) -> None:
+        """Stop a request now: it finishes with reason "abort" and gives its pages back."""
+        self.scheduler.abort(rid)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -133,25 +142,31 @@ class LLM:
     def stream(self, prompts: Prompt | Sequence[Prompt],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                priorities: Sequence[int] | None = None) -> Iterator[StreamChunk]:
-        """Yield text deltas as they are produced. A bad request yields one chunk with reason "error"."""
+        """Yield text deltas as they are produced. A bad request yields one chunk with reason "error".
+        A consumer that stops early (break, or close() on the generator) aborts the requests still running, so
+        their pages go back to the pool instead of decoding for nobody."""
         prompts = _as_prompt_list(prompts)
         params_list = _one_params_per_prompt(sampling_params, len(prompts))
         index_of: dict[int, int] = {}
-        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-            try:
-                req = self._add(prompt, params, priorities[i] if priorities else 0)
-            except ValueError as exc:
-                yield StreamChunk(i, "", [], True, "error", error=f"prompt {i}: {exc}")
-                continue
-            index_of[req.rid] = i
-        while index_of:
-            for out in self.step():
-                i = index_of.get(out.rid)
-                if i is not None:
-                    if out.finished:
-                        del index_of[out.rid]
-                    yield StreamChunk(i, out.text_delta, out.new_token_ids, out.finished, out.finish_reason,
-                                      req=out.req)
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                try:
+                    req = self._add(prompt, params, priorities[i] if priorities else 0)
+                except ValueError as exc:
+                    yield StreamChunk(i, "", [], True, "error", error=f"prompt {i}: {exc}")
+                    continue
+                index_of[req.rid] = i
+            while index_of:
+                for out in self.step():
+                    i = index_of.get(out.rid)
+                    if i is not None:
+                        if out.finished:
+                            del index_of[out.rid]
+                        yield StreamChunk(i, out.text_delta, out.new_token_ids, out.finished, out.finish_reason,
+                                          req=out.req)
+        finally:  # normal end: nothing left; GeneratorExit or an error: abort what this call started
+            for rid in index_of:
+                self.abort_request(rid)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

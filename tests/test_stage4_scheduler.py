@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from stage4_scheduler import LLM, SamplingParams
+from stage4_scheduler.scheduler.prefill import PrefillAdder
 
 
 def mixed(n: int, seed: int, max_out: int = 24):
@@ -43,6 +44,23 @@ def alone(llm):
     return run
 
 
+class PageReserveAdder(PrefillAdder):
+    """Admission without look-ahead, for comparison: one page kept back per running request, and a new request
+    charged only its prompt."""
+
+    def reserved_pages(self, running, new_token_ratio, max_context_len):
+        return len(running)
+
+    def future_tokens(self, req, max_context_len):
+        return 0
+
+
+def without_look_ahead(llm):
+    s = llm.scheduler
+    s.prefill_adder = PageReserveAdder(s.cache, s.max_prefill_tokens, s.chunked_prefill_size)
+    return llm
+
+
 def assert_clean(llm):
     sched = llm.scheduler
     sched.check_integrity()
@@ -74,8 +92,8 @@ def test_64_requests_arriving_over_time_match_alone(llm, alone):
 
 def test_tiny_pool_forces_preemption_and_changes_nothing(path, alone):
     prompts, params = mixed(16, seed=1, max_out=30)
-    # 3 layers * 2 kv heads * 32 dims * 2 (k and v) * 4 bytes = 1.5 KiB per token: 40 pages of 4 tokens.
-    small = LLM(path, attention_backend="torch", kv_cache_bytes=40 * 4 * 1536, page_size=4)
+    # 40 pages of 4 tokens, and admission without look-ahead: the scheduler overcommits and must preempt.
+    small = without_look_ahead(LLM(path, attention_backend="torch", max_total_tokens=160, page_size=4))
     assert small.engine.kv_pool.num_pages == 40
     results = small.generate(prompts, params)
     for prompt, p, r in zip(prompts, params, results):
@@ -86,10 +104,81 @@ def test_tiny_pool_forces_preemption_and_changes_nothing(path, alone):
 
 def test_chunked_prefill_changes_nothing(path, alone):
     prompts, params = mixed(12, seed=2)
-    chunky = LLM(path, attention_backend="torch", max_prefill_tokens=7, page_size=4)
+    chunky = LLM(path, attention_backend="torch", chunked_prefill_size=7, page_size=4, record_stats=True)
     results = chunky.generate(prompts, params)
     assert [r.token_ids for r in results] == [alone(p, sp) for p, sp in zip(prompts, params)]
+    prefills = [s for s in chunky.scheduler.stats if s.phase == "prefill"]
+    assert max(s.num_tokens for s in prefills) == 7, "no prefill batch goes past chunked_prefill_size"
+    assert any(s.batch_size > 1 for s in prefills), "short prompts share a batch with the end of a chunked one"
     assert_clean(chunky)
+
+
+def test_max_prefill_tokens_without_chunking_keeps_prompts_whole(path, alone):
+    prompts, params = mixed(12, seed=2)
+    whole = LLM(path, attention_backend="torch", chunked_prefill_size=-1, max_prefill_tokens=20, page_size=4,
+                record_stats=True)
+    results = whole.generate(prompts, params)
+    assert [r.token_ids for r in results] == [alone(p, sp) for p, sp in zip(prompts, params)]
+    prefills = [s for s in whole.scheduler.stats if s.phase == "prefill"]
+    # A 90-token prompt goes in one pass, alone (the first of a batch may exceed the budget); no chunk ever.
+    assert max(s.num_tokens for s in prefills) == max(map(len, prompts)) == 90
+    assert all(s.num_tokens <= 20 or s.batch_size == 1 for s in prefills)
+    assert_clean(whole)
+
+
+def test_admission_look_ahead_preempts_less_and_changes_nothing(path):
+    """new_token_ratio: admitting a request only when the pool can also hold the outputs it and the running
+    requests are expected to produce cuts preemptions (and the recompute they cost); tokens are the same."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(4, 40))] for _ in range(32)]
+    params = [SamplingParams(max_new_tokens=rng.randint(8, 48), ignore_eos=True) for _ in range(32)]
+    runs = {}
+    for look_ahead in (False, True):
+        llm = LLM(path, attention_backend="torch", max_total_tokens=240, page_size=4, record_stats=True)
+        llm = llm if look_ahead else without_look_ahead(llm)
+        runs[look_ahead] = ([r.token_ids for r in llm.generate(prompts, params)], llm.scheduler.total_preemptions,
+                            sum(s.num_tokens for s in llm.scheduler.stats))
+        assert_clean(llm)
+    (ids_old, preempt_old, computed_old), (ids_new, preempt_new, computed_new) = runs[False], runs[True]
+    assert ids_new == ids_old
+    assert preempt_old >= 10 and preempt_new <= preempt_old // 5, (preempt_old, preempt_new)
+    assert computed_new < computed_old, "fewer preemptions: fewer tokens recomputed"
+
+
+def test_new_token_ratio_decays_and_resets_on_preemption(path):
+    assert LLM(path, attention_backend="torch", verbose=False).scheduler.new_token_ratio == pytest.approx(0.7)
+    # A bold scheduler (ratio 0.07) so that it overcommits the 64-token pool and must preempt.
+    llm = LLM(path, attention_backend="torch", max_total_tokens=64, page_size=4, schedule_conservativeness=0.1)
+    sched = llm.scheduler
+    assert sched.new_token_ratio == pytest.approx(0.07) and sched.min_new_token_ratio == pytest.approx(0.0098)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    for prompt in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):
+        llm.add_request(prompt, params)
+    ratios, preempted_at = [], None
+    while llm.has_unfinished_requests():
+        before = sched.total_preemptions
+        llm.step()
+        ratios.append(sched.new_token_ratio)
+        if sched.total_preemptions > before and preempted_at is None:
+            preempted_at = len(ratios) - 1
+    assert preempted_at is not None, "three 43-token requests cannot all fit 64 tokens"
+    assert ratios[preempted_at - 1] < 0.07, "the ratio decays while decoding goes well"
+    assert ratios[preempted_at] > ratios[preempted_at - 1], "a preemption raises it again"
+    assert_clean(llm)
+
+
+def test_stream_closed_early_aborts_its_requests(llm):
+    gen = llm.stream([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=50, ignore_eos=True))
+    first = [next(gen), next(gen)]
+    assert not any(c.finished for c in first) and llm.has_unfinished_requests()
+    gen.close()  # what a `break` out of the loop does once the generator is dropped
+    assert not llm.has_unfinished_requests()
+    assert_clean(llm)
+    for chunk in llm.stream([[1, 2, 3]], SamplingParams(max_new_tokens=5, ignore_eos=True)):
+        if chunk.token_ids:
+            break  # the same through a plain break
+    assert not llm.has_unfinished_requests()
+    assert_clean(llm)
 
 
 def test_priority_runs_first_and_low_priority_is_not_starved(path):
@@ -217,6 +306,42 @@ def test_abort(llm):
 def test_command_line(path):
     out = subprocess.run([sys.executable, "-m", "stage4_scheduler", "--model", path, "--no-chat",
                           "--prompt", "Hello", "--prompt", "Bonjour", "--max-new-tokens", "4", "--ignore-eos",
-                          "--stream"], capture_output=True, text=True, timeout=300)
+                          "--stream", "--max-total-tokens", "4096"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "2 requests, 8 tokens" in out.stdout
+    assert "2 requests, 8 tokens" in out.stdout and "KV pool 4096 tokens (256 pages of 16)" in out.stdout
+    assert "KV pool 4096 tokens" in out.stderr, "the load line reports the pool's token capacity"
+
+
+def test_kv_pool_is_sized_from_memory(monkeypatch):
+    import torch
+
+    from stage4_scheduler import engine
+
+    cpu, per_token = torch.device("cpu"), 1536
+    plan = engine.plan_kv_pool(cpu, per_token, 16, max_total_tokens=1000, mem_fraction_static=None,
+                               max_tokens_needed=10**9)
+    assert (plan.num_pages, plan.max_total_tokens) == (62, 992)  # whole pages only
+    monkeypatch.setattr(engine, "available_ram_bytes", lambda: 2 << 30)  # 2 GiB available
+    plan = engine.plan_kv_pool(cpu, per_token, 16, None, None, max_tokens_needed=10**9)
+    assert plan.max_total_tokens == (512 << 20) // per_token // 16 * 16  # a quarter of 2 GiB
+    monkeypatch.setattr(engine, "available_ram_bytes", lambda: 64 << 30)
+    plan = engine.plan_kv_pool(cpu, per_token, 16, None, None, max_tokens_needed=10**9)
+    assert plan.max_total_tokens == (1 << 30) // per_token // 16 * 16  # capped at 1 GiB
+    plan = engine.plan_kv_pool(cpu, per_token, 16, None, None, max_tokens_needed=4096)
+    assert plan.max_total_tokens == 4096 and "max_running_requests" in plan.reason  # no more than usable
+    # CUDA: weights + KV within mem_fraction_static of the device, measured after the weights are loaded.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (50 << 30, 80 << 30))
+    plan = engine.plan_kv_pool(torch.device("cuda"), per_token, 16, None, 0.9, max_tokens_needed=10**9)
+    assert plan.max_total_tokens == int((50 << 30) - (80 << 30) * (1 - 0.9)) // per_token // 16 * 16
+    with pytest.raises(ValueError, match="mem_fraction_static"):
+        engine.plan_kv_pool(torch.device("cuda"), per_token, 16, None, 0.3, max_tokens_needed=10**9)
+
+
+def test_bad_pool_settings_are_refused(path):
+    for kwargs, word in [({"max_total_tokens": 3, "page_size": 4}, "max_total_tokens"),
+                         ({"mem_fraction_static": 1.5}, "mem_fraction_static"),
+                         ({"chunked_prefill_size": 0}, "chunked_prefill_size"),
+                         ({"max_prefill_tokens": 0}, "max_prefill_tokens"),
+                         ({"schedule_conservativeness": -1}, "schedule_conservativeness")]:
+        with pytest.raises(ValueError, match=word):
+            LLM(path, attention_backend="torch", verbose=False, **kwargs)
