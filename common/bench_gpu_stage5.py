@@ -205,7 +205,7 @@ def bench_shape(shape: ModelShape, args, bandwidth: float) -> dict:
         build_checkpoint(shape, folder, args.device)
         result["build_s"] = time.perf_counter() - t
         max_bs = max(args.batch_sizes + [args.tp_batch])  # every batch of the run is a graph bucket
-        engine = Engine(folder, device=args.device, dtype="bfloat16", kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
+        engine = Engine(folder, device=args.device, dtype="bfloat16", max_total_tokens=args.max_total_tokens,
                         max_running_requests=max_bs, cuda_graph_max_bs=max_bs)
         runner = engine.graph_runner
         rows = []
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--tp-batch", type=int, default=32, help="batch of the throughput comparison")
     parser.add_argument("--tp-tokens", type=int, default=128, help="output tokens per request there")
-    parser.add_argument("--kv-cache-gb", type=float, default=8)
+    parser.add_argument("--max-total-tokens", type=int, default=65536, help="KV pool size in tokens")
     parser.add_argument("--tmp", default=None, help="where the random checkpoints are written")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shape, emulated graphs: tests the script")
     args = parser.parse_args(argv)
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
         from common import graph_emulator
 
         args.device, args.models, args.batch_sizes = "cpu", ["tiny-shape"], [1, 3]
-        args.prompt_len, args.steps, args.tp_batch, args.tp_tokens, args.kv_cache_gb = 16, 4, 4, 8, 0.01
+        args.prompt_len, args.steps, args.tp_batch, args.tp_tokens, args.max_total_tokens = 16, 4, 4, 8, 2048
         with graph_emulator.emulating(stage5_cudagraph.graph):  # the graph runner runs (slowly) on the CPU
             return run(args)
     if not torch.cuda.is_available():

@@ -34,10 +34,19 @@ def main(argv: list[str] | None = None) -> None:
                         help="weights and KV cache dtype, converted at load; auto = the checkpoint's own")
     parser.add_argument("--attention-backend", default=None, choices=BACKENDS,
                         help="default: triton on CUDA, torch on CPU")
-    parser.add_argument("--kv-cache-mb", type=int, default=256, help="KV pool memory budget")
+    parser.add_argument("--max-total-tokens", type=int, default=None,
+                        help="KV pool size in tokens (default: sized from memory)")
+    parser.add_argument("--mem-fraction-static", type=float, default=None,
+                        help="memory share for weights + KV cache (default: 0.88 of a GPU; CPU: 0.25 of the "
+                             "available RAM for the KV cache, at most 1 GiB)")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-running-requests", type=int, default=128)
-    parser.add_argument("--max-prefill-tokens", type=int, default=512, help="prefill token budget (chunk size)")
+    parser.add_argument("--max-prefill-tokens", type=int, default=16384,
+                        help="prefill batch limit when chunking is off (a longer first prompt still runs whole)")
+    parser.add_argument("--chunked-prefill-size", type=int, default=512,
+                        help="prefill tokens per batch; the prompt crossing it is cut into chunks (-1: no chunking)")
+    parser.add_argument("--schedule-conservativeness", type=float, default=1.0,
+                        help="scales the admission estimate new_token_ratio (higher: admit fewer, preempt less)")
     parser.add_argument("--log-interval", type=int, default=0, help="log throughput every N decode steps")
     parser.add_argument("--disable-cuda-graph", action="store_true", help="decode eagerly on CUDA too")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=64, help="largest batch captured in a graph")
@@ -60,8 +69,10 @@ def main(argv: list[str] | None = None) -> None:
             min_p=args.min_p, repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
             presence_penalty=args.presence_penalty, stop=args.stop, seed=args.seed, ignore_eos=args.ignore_eos)
         llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-                  kv_cache_bytes=args.kv_cache_mb << 20, page_size=args.page_size,
-                  max_running_requests=args.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,
+                  max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
+                  page_size=args.page_size, max_running_requests=args.max_running_requests,
+                  max_prefill_tokens=args.max_prefill_tokens, chunked_prefill_size=args.chunked_prefill_size,
+                  schedule_conservativeness=args.schedule_conservativeness,
                   log_interval=args.log_interval, disable_cuda_graph=args.disable_cuda_graph,
                   cuda_graph_max_bs=args.cuda_graph_max_bs, disable_overlap=args.disable_overlap,
                   progress=args.progress, verbose=not args.quiet)
@@ -90,9 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     for prompt, text, reason in zip(prompts, texts, reasons):
         print(f"--- {prompt!r} (finish_reason={reason})\n{text}")
     print(f"\n[{len(prompts)} requests, {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} tokens/s, "
-          f"attention backend {llm.engine.attn_backend.name}, KV pool {llm.engine.kv_pool.num_pages} pages of "
-          f"{llm.engine.kv_pool.page_size}, CUDA graphs {'on' if llm.engine.graph_runner else 'off'}, overlap "
-          f"{'on' if llm.scheduler.overlap else 'off'}]")
+          f"attention backend {llm.engine.attn_backend.name}, {llm.engine.kv_plan.summary()}, CUDA graphs "
+          f"{'on' if llm.engine.graph_runner else 'off'}, overlap {'on' if llm.scheduler.overlap else 'off'}]")
 
 
 def print_memory_report(llm: LLM) -> None:
@@ -105,6 +115,7 @@ def print_memory_report(llm: LLM) -> None:
     print(f"KV cache   2 x {cfg.num_layers} layers x {cfg.num_kv_heads} kv heads x {cfg.head_dim} x {report.kv_dtype} "
           f"= {report.kv_bytes_per_token} bytes/token; "
           f"{mib(report.kv_bytes_per_token * report.max_context_len)} at the {report.max_context_len}-token context")
+    print(f"KV pool    {llm.engine.kv_plan.summary()}")
     print(f"loaded     {stats.tensors} tensors from {stats.files} file(s), {mib(stats.bytes_read)} "
           f"({', '.join(sorted(stats.checkpoint_dtypes))} on disk) in {stats.seconds:.2f} s\n")
 

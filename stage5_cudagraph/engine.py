@@ -15,6 +15,7 @@ sampled for page-table row `row`, which is still on the device in `future_tokens
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,14 +84,85 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
     return DTYPES[dtype]
 
 
+CPU_KV_FRACTION = 0.25  # a CPU's default: this share of the RAM available after loading the weights ...
+CPU_KV_CAP_BYTES = 1 << 30  # ... but at most 1 GiB (zeroing the pool costs start-up time; pass max_total_tokens)
+GPU_MEM_FRACTION_STATIC = 0.88  # a GPU's default: weights + KV cache may use this share of the device's memory
+
+
+@dataclass
+class KVPoolPlan:
+    """How many tokens the KV pool holds, and why."""
+
+    num_pages: int
+    page_size: int
+    bytes_per_token: int
+    reason: str
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def summary(self) -> str:
+        return (f"KV pool {self.max_total_tokens} tokens ({self.num_pages} pages of {self.page_size}), "
+                f"{_mb(self.max_total_tokens * self.bytes_per_token)}: {self.reason}")
+
+
+def available_ram_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux): what can be allocated without swapping; else the physical RAM."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def plan_kv_pool(device: torch.device, bytes_per_token: int, page_size: int, max_total_tokens: int | None,
+                 mem_fraction_static: float | None, max_tokens_needed: int) -> KVPoolPlan:
+    """Size the KV pool as SGLang does, once the weights are loaded.
+
+    - max_total_tokens given: exactly that many tokens (rounded down to whole pages).
+    - CUDA: weights + KV may take mem_fraction_static of the GPU; the rest is left for activations, CUDA graphs
+      and the allocator. KV bytes = free now - total * (1 - mem_fraction_static).
+    - CPU: mem_fraction_static (default 0.25) of the RAM available now, capped at 1 GiB.
+    Never more than max_tokens_needed (every row of the page table at the full context): the rest could not be used.
+    """
+    if max_total_tokens is not None:
+        return KVPoolPlan(max_total_tokens // page_size, page_size, bytes_per_token, "max_total_tokens")
+    if device.type == "cuda":
+        frac = GPU_MEM_FRACTION_STATIC if mem_fraction_static is None else mem_fraction_static
+        free, total = torch.cuda.mem_get_info(device)
+        budget = free - total * (1 - frac)
+        reason = (f"mem_fraction_static={frac} of {total / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free after "
+                  "the weights")
+    else:
+        frac = CPU_KV_FRACTION if mem_fraction_static is None else mem_fraction_static
+        available = available_ram_bytes()
+        budget = min(frac * available, CPU_KV_CAP_BYTES)
+        reason = f"{frac} of {available / 2**30:.1f} GiB available RAM, at most {CPU_KV_CAP_BYTES >> 30} GiB"
+    tokens = int(budget // bytes_per_token)
+    if tokens > max_tokens_needed:  # more than every page-table row at the full context could ever use
+        tokens, reason = max_tokens_needed, "max_running_requests x the context length"
+    if tokens < page_size:
+        raise ValueError(f"no room for a KV cache: {reason} gives {max(budget, 0) / 2**20:.1f} MiB, less than one "
+                         f"page of {page_size} tokens ({bytes_per_token} bytes per token); raise "
+                         "mem_fraction_static or pass max_total_tokens")
+    return KVPoolPlan(tokens // page_size, page_size, bytes_per_token, reason)
+
+
 class Engine:
     def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
-                 attention_backend: str | None = None, kv_cache_bytes: int = 256 << 20, page_size: int = 16,
-                 max_running_requests: int = 128, eos_token_ids: set[int] | None = None,
-                 progress: bool | None = None, verbose: bool = True, cuda_graph: bool = True,
-                 cuda_graph_max_bs: int = 64):
-        """eos_token_ids: the tokenizer's (tokenizer.py); default: read from the checkpoint's configs.
-        progress: a progress bar while loading (None: when stderr is a terminal). verbose: one line on load."""
+                 attention_backend: str | None = None, page_size: int = 16, max_running_requests: int = 128,
+                 max_total_tokens: int | None = None, mem_fraction_static: float | None = None,
+                 eos_token_ids: set[int] | None = None, progress: bool | None = None, verbose: bool = True,
+                 cuda_graph: bool = True, cuda_graph_max_bs: int = 64):
+        """max_total_tokens: the KV pool's size in tokens (default: sized from memory, see plan_kv_pool).
+        mem_fraction_static: the share of memory for weights + KV cache (default 0.88 of a GPU; on a CPU 0.25 of
+        the available RAM, for the KV cache alone, at most 1 GiB). eos_token_ids: the tokenizer's (tokenizer.py);
+        default: read from the checkpoint's configs. progress: a progress bar while loading (None: when stderr is
+        a terminal). verbose: one line on load."""
         model_path = Path(model_path)
         if not (model_path / "config.json").exists():
             raise FileNotFoundError(f"no config.json in {model_path}: not a Hugging Face model folder")
@@ -99,6 +171,10 @@ class Engine:
                              f"{max_running_requests}")
         if cuda_graph_max_bs < 1:  # checked on every device: a setting that would fail on a GPU fails here too
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {cuda_graph_max_bs}")
+        if max_total_tokens is not None and max_total_tokens < page_size:
+            raise ValueError(f"max_total_tokens={max_total_tokens} holds no page of {page_size} tokens")
+        if mem_fraction_static is not None and not 0.0 < mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
         hf_config = json.loads((model_path / "config.json").read_text())
         config = ModelConfig.from_hf(hf_config)  # refuses what it cannot run, before any allocation
         dtype = resolve_dtype(dtype, config)
@@ -109,24 +185,24 @@ class Engine:
         self.model = build_model(config, self.device, dtype)  # empty, already in its dtype and on its device
         self.config = cfg = self.model.config  # the family's view (e.g. Qwen2 adds qkv_bias)
         self.load_stats = load_weights(self.model, model_path, progress=progress)
-        if verbose:
-            s = self.load_stats
-            print(f"[{type(self.model).__name__} from {model_path.name}: {s.tensors} tensors from {s.files} "
-                  f"file(s) in {s.seconds:.2f} s] {self.memory_report().summary()}", file=sys.stderr)
 
-        # The KV pool is sized once, from a memory budget: every page any request will ever use comes from here.
+        # The KV pool is sized once, after the weights are in memory: every page any request will ever use is here.
         bytes_per_token = PagedKVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
-        num_pages = kv_cache_bytes // (bytes_per_token * page_size)
-        if num_pages < 1:
-            raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no page of {page_size} tokens "
-                             f"({bytes_per_token} bytes per token)")
+        self.kv_plan = plan_kv_pool(self.device, bytes_per_token, page_size, max_total_tokens, mem_fraction_static,
+                                    max_tokens_needed=max_running_requests * self.max_context_len)
         # CUDA graphs pad batches with rows whose K/V must land somewhere harmless: one extra page that the cache
         # manager never sees (num_pages stays the usable count) holds the dummy slot.
         use_graphs = cuda_graph and can_capture(self.device)
+        num_pages = self.kv_plan.num_pages
         self.kv_pool = PagedKVPool(cfg.num_layers, num_pages + int(use_graphs), page_size, cfg.num_kv_heads,
                                    cfg.head_dim, dtype, self.device)
         self.kv_pool.num_pages = num_pages
         self.dummy_slot = num_pages * page_size  # first slot of the reserved page (used only with graphs)
+        if verbose:
+            s = self.load_stats
+            print(f"[{type(self.model).__name__} from {model_path.name}: {s.tensors} tensors from {s.files} "
+                  f"file(s) in {s.seconds:.2f} s] {self.memory_report().summary()}; {self.kv_plan.summary()}",
+                  file=sys.stderr)
         max_pages_per_req = -(-self.max_context_len // page_size)
         self.page_table = PageTable(max_running_requests, max_pages_per_req, self.device)
 

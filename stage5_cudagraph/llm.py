@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence, Union
@@ -70,25 +71,35 @@ class StreamChunk:
 class LLM:
     def __init__(self, model: str | Path = "smollm2-135m-instruct", device: str = "cpu",
                  dtype: str | torch.dtype = "float32", attention_backend: str | None = None,
-                 kv_cache_bytes: int = 256 << 20, page_size: int = 16, max_running_requests: int = 128,
-                 max_prefill_tokens: int = 512, log_interval: int = 0, record_stats: bool = False,
-                 tokenizer_config: TokenizerConfig | None = None, progress: bool | None = None,
-                 verbose: bool = True, disable_cuda_graph: bool = False, cuda_graph_max_bs: int = 64,
-                 disable_overlap: bool = False):
-        """dtype: float32, bfloat16, float16 or "auto" (the checkpoint's). progress: a loading progress bar (None:
-        when stderr is a terminal). verbose: print one line on load with the memory report."""
+                 page_size: int = 16, max_running_requests: int = 128, max_total_tokens: int | None = None,
+                 mem_fraction_static: float | None = None, max_prefill_tokens: int = 16384,
+                 chunked_prefill_size: int = 512, schedule_conservativeness: float = 1.0, log_interval: int = 0,
+                 record_stats: bool = False, tokenizer_config: TokenizerConfig | None = None,
+                 progress: bool | None = None, verbose: bool = True, disable_cuda_graph: bool = False,
+                 cuda_graph_max_bs: int = 64, disable_overlap: bool = False):
+        """dtype: float32, bfloat16, float16 or "auto" (the checkpoint's). max_total_tokens / mem_fraction_static:
+        the KV pool's size (engine.plan_kv_pool). max_prefill_tokens, chunked_prefill_size, schedule_conservativeness:
+        admission (scheduler/prefill.py). progress: a loading progress bar (None: when stderr is a terminal).
+        verbose: print one line on load with the memory report and the KV pool's size.
+
+        With overlap on, the LLM owns a device-worker thread: `close()` (or `with LLM(...) as llm:`) stops it; an
+        LLM that is garbage-collected, or still open when the interpreter exits, is closed then."""
         self.model_path = resolve_model_path(model)
         self.tokenizer = Tokenizer(self.model_path, tokenizer_config)
         self.engine = Engine(self.model_path, device=device, dtype=dtype, attention_backend=attention_backend,
-                             kv_cache_bytes=kv_cache_bytes, page_size=page_size,
-                             max_running_requests=max_running_requests, eos_token_ids=self.tokenizer.eos_token_ids,
-                             progress=progress, verbose=verbose, cuda_graph=not disable_cuda_graph,
-                             cuda_graph_max_bs=cuda_graph_max_bs)
+                             page_size=page_size, max_running_requests=max_running_requests,
+                             max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
+                             eos_token_ids=self.tokenizer.eos_token_ids, progress=progress, verbose=verbose,
+                             cuda_graph=not disable_cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs)
         if self.tokenizer.config.max_length is None:  # leave room for at least one generated token
             self.tokenizer.config.max_length = self.engine.max_context_len - 1
         self.scheduler = Scheduler(self.engine, self.tokenizer, max_prefill_tokens=max_prefill_tokens,
+                                   chunked_prefill_size=chunked_prefill_size,
+                                   schedule_conservativeness=schedule_conservativeness,
                                    log_interval=log_interval, record_stats=record_stats,
                                    overlap=not disable_overlap)
+        # Runs once: at close(), when the LLM is garbage-collected, or at interpreter exit (weakref.finalize).
+        self._closer = weakref.finalize(self, self.scheduler.shutdown)
         self._next_rid = 0
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -127,34 +138,60 @@ class LLM:
 
     def step(self) -> list[StepOutput]:
         """One forward pass of the engine; what each touched request produced."""
+        if self.closed:
+            raise RuntimeError("this LLM was closed (close() or the end of its `with` block): it cannot step")
         return self.scheduler.step()
+
+    def abort_request(self, rid: int) -> None:
+        """Stop a request now: it finishes with reason "abort" and gives its pages back."""
+        self.scheduler.abort(rid)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def close(self) -> None:
+        """Read back the step in flight and stop the device-worker thread. The LLM cannot step afterwards."""
+        self._closer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._closer.alive
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---------------------------------------------------------------- offline conveniences
     def stream(self, prompts: Prompt | Sequence[Prompt],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                priorities: Sequence[int] | None = None) -> Iterator[StreamChunk]:
-        """Yield text deltas as they are produced. A bad request yields one chunk with reason "error"."""
+        """Yield text deltas as they are produced. A bad request yields one chunk with reason "error".
+        A consumer that stops early (break, or close() on the generator) aborts the requests still running, so
+        their pages go back to the pool instead of decoding for nobody."""
         prompts = _as_prompt_list(prompts)
         params_list = _one_params_per_prompt(sampling_params, len(prompts))
         index_of: dict[int, int] = {}
-        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-            try:
-                req = self._add(prompt, params, priorities[i] if priorities else 0)
-            except ValueError as exc:
-                yield StreamChunk(i, "", [], True, "error", error=f"prompt {i}: {exc}")
-                continue
-            index_of[req.rid] = i
-        while index_of:
-            for out in self.step():
-                i = index_of.get(out.rid)
-                if i is not None:
-                    if out.finished:
-                        del index_of[out.rid]
-                    yield StreamChunk(i, out.text_delta, out.new_token_ids, out.finished, out.finish_reason,
-                                      req=out.req)
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                try:
+                    req = self._add(prompt, params, priorities[i] if priorities else 0)
+                except ValueError as exc:
+                    yield StreamChunk(i, "", [], True, "error", error=f"prompt {i}: {exc}")
+                    continue
+                index_of[req.rid] = i
+            while index_of:
+                for out in self.step():
+                    i = index_of.get(out.rid)
+                    if i is not None:
+                        if out.finished:
+                            del index_of[out.rid]
+                        yield StreamChunk(i, out.text_delta, out.new_token_ids, out.finished, out.finish_reason,
+                                          req=out.req)
+        finally:  # normal end: nothing left; GeneratorExit or an error: abort what this call started
+            for rid in index_of:
+                self.abort_request(rid)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from common.admission import without_look_ahead
 from stage4_scheduler import LLM, SamplingParams
-from stage4_scheduler.scheduler.prefill import PrefillAdder
 
 
 def mixed(n: int, seed: int, max_out: int = 24):
@@ -42,23 +42,6 @@ def alone(llm):
         return cache[key]
 
     return run
-
-
-class PageReserveAdder(PrefillAdder):
-    """Admission without look-ahead, for comparison: one page kept back per running request, and a new request
-    charged only its prompt."""
-
-    def reserved_pages(self, running, new_token_ratio, max_context_len):
-        return len(running)
-
-    def future_tokens(self, req, max_context_len):
-        return 0
-
-
-def without_look_ahead(llm):
-    s = llm.scheduler
-    s.prefill_adder = PageReserveAdder(s.cache, s.max_prefill_tokens, s.chunked_prefill_size)
-    return llm
 
 
 def assert_clean(llm):

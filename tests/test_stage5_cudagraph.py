@@ -10,9 +10,10 @@ import sys
 import pytest
 import torch
 
-from stage5_cudagraph import LLM, SamplingParams
 import stage5_cudagraph.graph as graph_module
 from common import graph_emulator
+from common.admission import without_look_ahead
+from stage5_cudagraph import LLM, SamplingParams
 from stage5_cudagraph.graph import bucket_sizes, pick_bucket
 
 
@@ -81,8 +82,16 @@ def test_overlap_on_off_identical_with_arrivals(llms):
     off, on = (run_arriving(llms[o], prompts, params) for o in (False, True))
     assert on == off
     assert llms[True].engine.graph_runner is None  # CPU: never a graph
-    timings = llms[True].scheduler.timings
-    assert timings and all(t.device[0] >= t.schedule[0] and t.process[0] >= t.device[0] for t in timings)
+    for overlap in (False, True):  # the timeline shows which loop ran
+        timings = sorted(llms[overlap].scheduler.timings, key=lambda t: t.step)
+        pairs = [(a, b) for a, b in zip(timings, timings[1:]) if b.step == a.step + 1]
+        assert len(pairs) > 20
+        # overlap on: step N-1's results are processed while step N is on the device; off: strictly in turn
+        hidden = sum(a.process[0] < b.device[1] for a, b in pairs)
+        if overlap:
+            assert hidden >= 0.8 * len(pairs), f"only {hidden}/{len(pairs)} steps overlapped"
+        else:
+            assert all(a.process[1] <= b.schedule[0] for a, b in pairs)
 
 
 def test_stops_finishing_mid_flight(llms):
@@ -107,8 +116,8 @@ def test_tiny_pool_preemption_identical(path):
     prompts, params = mixed(16, seed=1, max_out=30)
     outs = []
     for overlap in (False, True):
-        small = LLM(path, attention_backend="torch", kv_cache_bytes=40 * 4 * 1536, page_size=4,
-                    disable_overlap=not overlap)
+        small = without_look_ahead(LLM(path, attention_backend="torch", max_total_tokens=160, page_size=4,
+                                       disable_overlap=not overlap))
         outs.append(run_arriving(small, prompts, params, every=1, per=2))
         assert small.scheduler.total_preemptions > 0
     assert outs[0] == outs[1]
@@ -278,7 +287,8 @@ def test_emulated_graphs_with_overlap_arrivals_and_preemption(path, llms, monkey
     prompts, params = mixed(24, seed=5, max_out=20)
     want = run_arriving(llms[False], prompts, params)
     monkeypatch.setattr(graph_module, "cuda", graph_emulator)
-    llm = LLM(path, attention_backend="torch", kv_cache_bytes=60 * 4 * 1536, page_size=4, cuda_graph_max_bs=8)
+    llm = without_look_ahead(LLM(path, attention_backend="torch", max_total_tokens=160, page_size=4,
+                                 cuda_graph_max_bs=8))
     engine = llm.engine
     assert engine.kv_pool.k.shape[1] == engine.kv_pool.num_pages + 1  # the reserved page of the dummy slot
     assert run_arriving(llm, prompts, params, every=2, per=3) == want
@@ -334,3 +344,30 @@ def test_golden_with_graphs_on_and_off_on_cuda(model):
         problems = failures(results, golden)
         assert not problems, f"graphs {'off' if disable else 'on'}:\n" + "\n".join(problems)
         assert disable or llm.engine.num_graph_replays > 0
+
+
+def test_close_stops_the_worker_thread(path):
+    import threading
+
+    def device_threads():
+        return [t for t in threading.enumerate() if t.name.startswith("device")]
+
+    before = len(device_threads())
+    with LLM(path, attention_backend="torch", verbose=False) as llm:
+        rid = llm.add_request([1, 2, 3], SamplingParams(max_new_tokens=30, ignore_eos=True))
+        llm.step(), llm.step()
+        assert llm.scheduler.inflight and len(device_threads()) == before + 1
+    assert llm.closed and not llm.scheduler.inflight and len(device_threads()) == before
+    assert min(llm.scheduler.reqs[rid].output_ids) >= 0  # the step in flight was read back, not dropped
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.step()
+    llm.close()  # closing twice is harmless
+    # An LLM nobody closes is closed when it is garbage-collected (and at interpreter exit).
+    other = LLM(path, attention_backend="torch", verbose=False)
+    other.generate([[4, 5]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert len(device_threads()) == before + 1
+    del other
+    import gc
+
+    gc.collect()
+    assert len(device_threads()) == before

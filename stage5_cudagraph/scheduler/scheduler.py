@@ -10,6 +10,12 @@
 Continuous batching is simply this loop: requests join at any step through a prefill, and leave the decode batch
 the step they finish, instead of a batch living and dying together (stage 2).
 
+How much to admit is a bet on the future: a running request may generate up to max_new_tokens more tokens, but
+most stop early. SGLang's `new_token_ratio` is that bet: admission expects each running request to need this share
+of its remaining budget. It starts at `init_new_token_ratio` (0.7 x schedule_conservativeness), falls a little each
+decode step that needed no preemption (down to min_new_token_ratio), and after a preemption is set to what the
+surviving requests really used so far, so admission becomes careful again exactly when it was too bold.
+
 Stage 5, overlap scheduling ("zero-overhead" scheduler): each step *launches* batch N and then processes the
 results of batch N-1 while N runs, so the device never waits for the CPU's bookkeeping.
 
@@ -46,6 +52,12 @@ from .prefill import PrefillAdder
 
 logger = logging.getLogger(__name__.split(".")[0])
 
+# SGLang's defaults for the admission estimate (see the module docstring and prefill.py).
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+RETRACT_DECODE_STEPS = 20  # after a preemption, assume each survivor decodes this many more tokens
+
 
 @dataclass
 class StepOutput:
@@ -76,7 +88,9 @@ class StepStats:
 class Scheduler:
     engine: Engine
     tokenizer: object = None  # for text deltas and stop strings; None: token ids only
-    max_prefill_tokens: int = 512  # token budget of one prefill batch = the chunked-prefill size
+    max_prefill_tokens: int = 16384  # a prefill batch grows past this only with its first request
+    chunked_prefill_size: int = 512  # prefill tokens per batch; the request crossing it is cut (-1: never cut)
+    schedule_conservativeness: float = 1.0  # scales init_new_token_ratio: higher admits fewer requests
     priority_aging_steps: int = 64  # every this many steps waiting, a request's priority rises by one
     log_interval: int = 0  # log throughput every N decode steps (0: never)
     record_stats: bool = False
@@ -87,7 +101,13 @@ class Scheduler:
 
     def __post_init__(self) -> None:
         self.cache = CacheManager(self.engine.kv_pool, self.engine.page_table)
-        self.prefill_adder = PrefillAdder(self.cache, self.max_prefill_tokens)
+        self.prefill_adder = PrefillAdder(self.cache, self.max_prefill_tokens, self.chunked_prefill_size)
+        if self.schedule_conservativeness < 0:
+            raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
+        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * self.schedule_conservativeness, 1.0)
+        self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
+        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = self.init_new_token_ratio
         self.decoder = DecodeManager(self.cache)
         self.chunked: Req | None = None  # the request whose prompt is being prefilled in chunks
         self.reqs: dict[int, Req] = {}  # every unfinished request by rid
@@ -177,12 +197,12 @@ class Scheduler:
     def schedule(self) -> tuple[Batch | None, list[Req]]:
         """Stage 4's choice of the next batch; with overlap, on host state that already counts launched steps."""
         self.waiting.sort(key=lambda r: (-self.effective_priority(r), r.arrival, r.rid))
-        reserve = len(self.decoder.running)  # one page per running request keeps decode moving
         batch, preempted = None, []
         # Prefill first (new requests join the decode batch sooner), except that a prompt being prefilled in
         # chunks alternates with decode steps: that is what chunking is for.
         if not (self.chunked is not None and self.last_phase == "prefill" and self.decoder.running):
-            batch, admitted = self.prefill_adder.build(self.chunked, self.waiting, reserve)
+            batch, admitted = self.prefill_adder.build(self.chunked, self.waiting, self.decoder.running,
+                                                       self.new_token_ratio, self.engine.max_context_len)
             if batch is not None:
                 self.waiting = [r for r in self.waiting if r not in admitted]
                 return batch, []
@@ -195,12 +215,26 @@ class Scheduler:
                                               self.done_launching)
         self.waiting.extend(preempted)
         self.total_preemptions += len(preempted)
+        self.update_new_token_ratio(preempted)
         return batch, preempted
 
     def done_launching(self, req: Req) -> bool:
         """Its launched tokens already reach max_new_tokens or the context: feed it no more."""
         return (len(req.output_ids) >= req.sampling_params.max_new_tokens
                 or req.device_len >= self.engine.max_context_len)
+
+    def update_new_token_ratio(self, preempted: list[Req]) -> None:
+        """After a decode batch was built: decay the estimate, or, if it had to preempt, reset it to what the
+        requests still running have really generated (SGLang's retract estimate) so admission backs off."""
+        running = self.decoder.running
+        if not running:
+            self.new_token_ratio = self.init_new_token_ratio
+        elif preempted:
+            decoded = sum(len(r.output_ids) for r in running) + RETRACT_DECODE_STEPS * len(running)
+            budget = sum(r.sampling_params.max_new_tokens for r in running)
+            self.new_token_ratio = min(1.0, max(decoded / budget, self.new_token_ratio))
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
 
     def launch(self, batch: Batch, start: float) -> None:
         """Prepare the batch's tensors, advance every request as if its step were done, and submit the step."""
@@ -240,6 +274,11 @@ class Scheduler:
         pending = self.worker.submit(device_step)  # without overlap, this runs the step before returning
         pending.timing, pending.keep_alive = timing, keep_alive
         self.inflight.append((batch, sampled, pending))
+
+    def shutdown(self) -> None:
+        """Read back what is still in flight, then stop the device worker (LLM.close)."""
+        self.drain()
+        self.worker.shutdown()
 
     def drain(self) -> None:
         """Read every launched step now (the pipeline empties; its outputs go out with this step's)."""
