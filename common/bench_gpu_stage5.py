@@ -6,7 +6,7 @@
 For each shape: build a random-weight bf16 checkpoint on the GPU (transformers, saved as safetensors), load it into
 stage 5, and measure
   - decode step time with CUDA graphs on and off (overlap on), per batch size;
-  - device utilisation during decode: device-busy time / wall time over the decode steps (target >= 90%);
+  - device utilisation during decode: device-busy time / wall time over the decode steps (1.0: never idle);
   - batch-1 decode step against the memory-bandwidth floor: (weight bytes + KV bytes read per step) / the copy
     bandwidth measured on this GPU (a big device-to-device copy reads and writes every byte once);
   - end-to-end throughput vs transformers `generate` (same weights, same batch, greedy, fixed output length).

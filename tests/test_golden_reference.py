@@ -29,7 +29,7 @@ def test_golden_file_matches_transformers_now(model: str):
 
 
 @pytest.mark.parametrize("model", GOLDEN_MODELS)
-def test_golden_prompts_cover_the_brief(model: str):
+def test_golden_prompts_cover_every_kind_of_input(model: str):
     golden = load_golden(model)
     cases = {c["name"]: c for c in golden["cases"]}
     assert set(cases) == {"english", "code", "chinese", "chat", "one_token", "long"}
