@@ -1,4 +1,4 @@
-"""Stage 5 — CUDA graphs for decode and an overlap scheduler: take the CPU out of the decode loop."""
+"""Stage 6 — the radix-tree prefix cache: compute a shared prefix once, reuse its KV across requests."""
 
 from .core import Batch, Req, ReqStatus, SamplingParams
 from .llm import LLM, GenerateResult, StreamChunk

@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-interval", type=int, default=0, help="log throughput every N decode steps")
     parser.add_argument("--disable-cuda-graph", action="store_true", help="decode eagerly on CUDA too")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=64, help="largest batch captured in a graph")
+    parser.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache (stage 5's engine)")
+    parser.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"],
+                        help="waiting-queue order within a priority: longest cached prefix first, or arrival order")
     parser.add_argument("--disable-overlap", action="store_true",
                         help="process each step's results before launching the next (stage 4's loop)")
     parser.add_argument("--memory-report", action="store_true",
@@ -75,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
                   schedule_conservativeness=args.schedule_conservativeness,
                   log_interval=args.log_interval, disable_cuda_graph=args.disable_cuda_graph,
                   cuda_graph_max_bs=args.cuda_graph_max_bs, disable_overlap=args.disable_overlap,
+                  disable_radix_cache=args.disable_radix_cache, schedule_policy=args.schedule_policy,
                   progress=args.progress, verbose=not args.quiet)
         if args.memory_report:
             print_memory_report(llm)
@@ -102,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"--- {prompt!r} (finish_reason={reason})\n{text}")
     print(f"\n[{len(prompts)} requests, {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} tokens/s, "
           f"attention backend {llm.engine.attn_backend.name}, {llm.engine.kv_plan.summary()}, CUDA graphs "
-          f"{'on' if llm.engine.graph_runner else 'off'}, overlap {'on' if llm.scheduler.overlap else 'off'}]")
+          f"{'on' if llm.engine.graph_runner else 'off'}, overlap {'on' if llm.scheduler.overlap else 'off'}, "
+          f"prefix cache {'off' if llm.scheduler.cache.tree is None else 'on'}: hit rate "
+          f"{100 * llm.scheduler.cache_hit_rate:.0f}%, tree {llm.scheduler.tree_tokens} tokens]")
 
 
 def print_memory_report(llm: LLM) -> None:

@@ -105,6 +105,10 @@ class Req:
     table_idx: int = -1  # this request's row in the page table while RUNNING
     arrival: int = 0  # scheduler step at which the request arrived (FCFS order, ageing)
     num_preemptions: int = 0
+    # Stage 6, the prefix cache: what the radix tree held of this request's tokens when it was (last) admitted.
+    prefix_indices: object = None  # [matched] int64 KV slots of the matched prefix (a torch tensor)
+    last_node: object = None  # the tree node where the match ended: locked while the request holds its row
+    cached_tokens: int = 0  # prompt tokens served from the cache at its first admission (not computed)
 
     def __post_init__(self) -> None:
         # A new request has nothing cached and feeds its whole prompt in the first forward (prefill).
@@ -145,7 +149,8 @@ class Req:
         self.device_len += 1
 
     def reset_for_recompute(self) -> None:
-        """Preempted: the KV pages are gone, so everything known (prompt + output so far) is prefilled again."""
+        """Preempted: its pages were given back (the full ones to the prefix cache, from stage 6), so everything
+        known (prompt + output so far) is prefilled again, from whatever of it the cache still holds then."""
         self.cached_len = 0
         self.device_len = len(self.all_ids)
         self.status = ReqStatus.WAITING

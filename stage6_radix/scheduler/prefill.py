@@ -15,6 +15,11 @@ Rules, in order:
    scheduler.py). A chunk that does not complete the prompt is charged its own tokens only.
    When the head of the queue does not fit, admission stops: letting smaller requests overtake it forever would
    starve it.
+5. Stage 6, the prefix cache: a new request first looks its tokens up in the radix tree. The matched prefix is
+   locked (eviction may not take it) and starts the request's page-table row; `cached_len` starts at its length
+   (capped so that at least one token is computed: its logits give the first new token), and only the rest counts
+   against the budgets. Unlocked tree pages count as available: they are evicted when the free list runs short,
+   long before any running request would be preempted.
 """
 
 from __future__ import annotations
@@ -56,29 +61,40 @@ class PrefillAdder:
         """-> (the prefill batch or None, the waiting requests it admitted). `waiting` is in priority order."""
         reqs, admitted = [], []
         rem_input, rem_chunk = self.max_prefill_tokens, self.chunked_prefill_size  # token budgets left
-        # Pages free now, minus what the running requests are expected to need.
-        avail_pages = self.cache.num_free_pages - self.reserved_pages(running, new_token_ratio, max_context_len)
+        reserved = self.reserved_pages(running, new_token_ratio, max_context_len)
+        promised = 0  # pages of future tokens promised to the requests admitted so far
         for req in ([chunked] if chunked else []) + waiting:
             is_new = req.status is ReqStatus.WAITING
             if is_new and not self.cache.can_run():
                 break  # every page-table row is taken: max_running_requests reached
-            remaining = len(req.all_ids) - req.cached_len
-            if remaining > rem_input and reqs:
-                break  # the batch is full: it waits for the next one
+            if is_new:  # stage 6: the tree may already hold the start of its prompt; lock it while we decide
+                matched = self.cache.match_prefix(req)
+                self.cache.lock(req)
+            cached = matched if is_new else req.cached_len
+            remaining = len(req.all_ids) - cached  # only the uncached suffix is computed, and needs pages
             extend = remaining if rem_chunk is None else min(remaining, rem_chunk)
+            if remaining > rem_input and reqs:
+                extend = 0  # the batch is full: it waits for the next one
             # KV the request needs: this pass's tokens, and, once its prompt is complete, what it may generate.
             future = self.future_tokens(req, max_context_len) if extend == remaining else 0
-            need = self.cache.pages_missing(req, req.cached_len + extend + future)
-            if need > avail_pages:
-                break  # head-of-line request does not fit now; decoding will free pages
+            held = cached // self.cache.page_size if is_new else len(self.cache.req_pages[req.rid])
+            need_now = max(0, self.cache.pages_for(cached + extend) - held)
+            need_later = self.cache.pages_for(cached + extend + future) - held - need_now
+            # Available: free pages and evictable tree pages, minus the running requests' expected needs.
+            if extend == 0 or need_now + need_later > self.cache.num_available_pages - reserved - promised:
+                if is_new:
+                    self.cache.unlock(req)
+                break  # head-of-line request does not fit now; decoding (or eviction) will free pages
             if is_new:
-                self.cache.acquire_row(req)
+                self.cache.acquire_row(req)  # its row starts with the matched pages; cached_len = matched
+                if req.num_preemptions == 0:
+                    req.cached_tokens = matched  # prompt tokens served from the cache (reported per request)
                 req.status = ReqStatus.RUNNING
                 admitted.append(req)
             req.set_chunk(extend)
-            ok = self.cache.grow(req, req.device_len)
+            ok = self.cache.grow(req, req.device_len)  # evicts unlocked tree pages if the free list is short
             assert ok, "pages were counted above"
-            avail_pages -= need  # the pages of its future tokens stay promised to it
+            promised += need_later
             reqs.append(req)
             rem_input -= extend
             if rem_chunk is not None:

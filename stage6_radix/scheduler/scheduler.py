@@ -16,6 +16,12 @@ of its remaining budget. It starts at `init_new_token_ratio` (0.7 x schedule_con
 decode step that needed no preemption (down to min_new_token_ratio), and after a preemption is set to what the
 surviving requests really used so far, so admission becomes careful again exactly when it was too bold.
 
+Stage 6, the prefix cache: admission looks each prompt up in the radix tree (PrefillAdder); each prefilled prompt,
+and each chunk of one, goes into the tree at once (CacheManager.cache_unfinished); a request that ends puts the
+rest of its pages there (CacheManager.release). The waiting queue is ordered cache-aware within a priority level
+(`schedule_policy="lpm"`, longest prefix match first: requests that share a cached prefix run while it is cached),
+or first come first served (`"fcfs"`).
+
 Stage 5, overlap scheduling ("zero-overhead" scheduler): each step *launches* batch N and then processes the
 results of batch N-1 while N runs, so the device never waits for the CPU's bookkeeping.
 
@@ -44,6 +50,7 @@ import torch
 from ..core import Batch, Req, ReqStatus
 from ..detokenizer import IncrementalDetokenizer
 from ..engine import Engine
+from ..radix_cache import RadixCache
 from ..sampler import sample_tensor
 from .cache_manager import CacheManager
 from .decode import DecodeManager
@@ -57,6 +64,8 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 RETRACT_DECODE_STEPS = 20  # after a preemption, assume each survivor decodes this many more tokens
+SCHEDULE_POLICIES = ("lpm", "fcfs")
+LPM_MAX_QUEUE = 128  # longer waiting queues are ordered FCFS: matching each request every step would cost too much
 
 
 @dataclass
@@ -82,6 +91,8 @@ class StepStats:
     used_pages: int
     num_preempted: int
     seconds: float
+    cache_hit_rate: float = 0.0  # stage 6: prompt tokens served from the tree / prompt tokens admitted, so far
+    tree_tokens: int = 0  # stage 6: tokens held by the radix tree
 
 
 @dataclass
@@ -95,12 +106,17 @@ class Scheduler:
     log_interval: int = 0  # log throughput every N decode steps (0: never)
     record_stats: bool = False
     overlap: bool = True  # process step N-1's results while step N runs (False: stage 4's synchronous loop)
+    disable_radix_cache: bool = False  # True: no prefix cache, stage 5's behaviour
+    schedule_policy: str = "lpm"  # waiting-queue order within a priority level: "lpm" (longest prefix match), "fcfs"
     waiting: list[Req] = field(default_factory=list)
     stats: list[StepStats] = field(default_factory=list)
     timings: list[StepTiming] = field(default_factory=list)  # per step, when record_stats
 
     def __post_init__(self) -> None:
-        self.cache = CacheManager(self.engine.kv_pool, self.engine.page_table)
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        tree = None if self.disable_radix_cache else RadixCache(self.engine.kv_pool.page_size)
+        self.cache = CacheManager(self.engine.kv_pool, self.engine.page_table, tree)
         self.prefill_adder = PrefillAdder(self.cache, self.max_prefill_tokens, self.chunked_prefill_size)
         if self.schedule_conservativeness < 0:
             raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
@@ -121,6 +137,7 @@ class Scheduler:
         self.inflight: list[tuple[Batch, list[tuple[Req, int]], Pending]] = []  # launched, results not yet read
         self.deferred: list[Req] = []  # finished, but still in a launched batch: pages released after it
         self.ready_outputs: list[StepOutput] = []  # results read early by a drain, returned by this step
+        self.admitted_tokens = self.cached_tokens = 0  # prompt tokens of every admission, and those from the tree
 
     # ---------------------------------------------------------------- requests in and out
     def add_request(self, req: Req) -> None:
@@ -161,11 +178,12 @@ class Scheduler:
         return bool(self.reqs)
 
     def check_integrity(self) -> None:
-        """The pool's books balance, and exactly the running requests (plus a chunked prompt) hold pages."""
-        self.cache.check_integrity(self.decoder.running)
-        holders = {r.rid for r in self.decoder.running + self.deferred} | ({self.chunked.rid} if self.chunked else set())
-        assert set(self.cache.req_pages) == holders, (
-            f"pages held by {sorted(self.cache.req_pages)} but running/chunked are {sorted(holders)}")
+        """The pool's books balance (free / tree / private), and exactly the running requests (plus a chunked
+        prompt and finished requests still in flight) hold pages and tree locks."""
+        holders = self.decoder.running + self.deferred + ([self.chunked] if self.chunked else [])
+        self.cache.check_integrity(self.decoder.running, holders)
+        assert set(self.cache.req_pages) == {r.rid for r in holders}, (
+            f"pages held by {sorted(self.cache.req_pages)} but running/chunked are {sorted(r.rid for r in holders)}")
         assert not any(r.table_idx >= 0 for r in self.waiting), "a waiting request still holds a page-table row"
 
     # ---------------------------------------------------------------- one step
@@ -190,13 +208,14 @@ class Scheduler:
             if self.record_stats:
                 self.stats.append(StepStats(self.step_count, batch.phase, batch.size, len(batch.out_cache_loc),
                                             len(self.decoder.running), len(self.waiting),
-                                            self.cache.num_used_pages, len(preempted), time.perf_counter() - start))
+                                            self.cache.num_used_pages, len(preempted), time.perf_counter() - start,
+                                            self.cache_hit_rate, self.tree_tokens))
             self._maybe_log(batch, len(outputs))
         return outputs
 
     def schedule(self) -> tuple[Batch | None, list[Req]]:
         """Stage 4's choice of the next batch; with overlap, on host state that already counts launched steps."""
-        self.waiting.sort(key=lambda r: (-self.effective_priority(r), r.arrival, r.rid))
+        self.sort_waiting()
         batch, preempted = None, []
         # Prefill first (new requests join the decode batch sooner), except that a prompt being prefilled in
         # chunks alternates with decode steps: that is what chunking is for.
@@ -205,11 +224,13 @@ class Scheduler:
                                                        self.new_token_ratio, self.engine.max_context_len)
             if batch is not None:
                 self.waiting = [r for r in self.waiting if r not in admitted]
+                self.admitted_tokens += sum(len(r.all_ids) for r in admitted)
+                self.cached_tokens += sum(len(r.prefix_indices) for r in admitted)
                 return batch, []
         if self.inflight:
             missing = sum(self.cache.pages_missing(r, r.device_len)
                           for r in self.decoder.candidates(self.done_launching))
-            if missing > self.cache.num_free_pages:
+            if missing > self.cache.num_available_pages:
                 self.drain()  # preemption resets a request to its host tokens: read the launched ones first
         batch, preempted = self.decoder.build(lambda r: (self.effective_priority(r), -r.arrival, -r.rid),
                                               self.done_launching)
@@ -217,6 +238,26 @@ class Scheduler:
         self.total_preemptions += len(preempted)
         self.update_new_token_ratio(preempted)
         return batch, preempted
+
+    def sort_waiting(self) -> None:
+        """Priority (with ageing) first; within a level, longest cached prefix first ("lpm") or arrival order.
+        Matching every waiting request costs a tree walk each, so, as SGLang does, a long queue falls back to FCFS."""
+        lpm = self.schedule_policy == "lpm" and self.cache.tree is not None and len(self.waiting) <= LPM_MAX_QUEUE
+        matched = {r.rid: self.cache.match_prefix(r) if lpm else 0 for r in self.waiting}
+        self.waiting.sort(key=lambda r: (-self.effective_priority(r), -matched[r.rid], r.arrival, r.rid))
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens / self.admitted_tokens if self.admitted_tokens else 0.0
+
+    @property
+    def tree_tokens(self) -> int:
+        tree = self.cache.tree
+        return tree.evictable_size + tree.protected_size if tree else 0
+
+    def flush_cache(self) -> None:
+        """Empty the prefix cache of everything no running request uses (SGLang's /flush_cache)."""
+        self.cache.flush()
 
     def done_launching(self, req: Req) -> bool:
         """Its launched tokens already reach max_new_tokens or the context: feed it no more."""
@@ -246,11 +287,17 @@ class Scheduler:
         for i, req in enumerate(batch.reqs):
             if req.device_len < len(req.all_ids):  # a non-final prefill chunk: nothing to sample yet
                 req.complete_chunk()
+                self.cache.cache_unfinished(req)  # stage 6: the chunk's pages join the tree at once
                 self.chunked = req
                 continue
             if batch.phase == "prefill":
                 self.decoder.add(req)  # prompt done: from now on it decodes
             req.complete_one(-(req.table_idx + 1))  # placeholder: "the token this row samples now"
+            if batch.phase == "prefill":
+                # Stage 6: the prompt's pages join the tree now, not when the request ends, so requests with the
+                # same prefix that arrive while it decodes reuse them. Safe before the batch has run: whoever
+                # reads them is in a later batch, which the device runs after this one.
+                self.cache.cache_unfinished(req)
             sample_rows.append(i)
             sampled.append((req, len(req.output_ids) - 1))
         reqs = [r for r, _ in sampled]
@@ -346,7 +393,8 @@ class Scheduler:
         self._log_tokens += num_new_tokens
         if self.log_interval and batch.phase == "decode" and self.step_count % self.log_interval == 0:
             now = time.perf_counter()
-            logger.info("step %d: decode batch %d, %d waiting, KV pages %d/%d used, gen throughput %.1f tok/s",
-                        self.step_count, batch.size, len(self.waiting), self.cache.num_used_pages,
-                        self.cache.pool.num_pages, self._log_tokens / (now - self._log_time))
+            logger.info("step %d: decode batch %d, %d waiting, KV pages %d/%d used, cache hit rate %.1f%%, tree "
+                        "%d tokens, gen throughput %.1f tok/s", self.step_count, batch.size, len(self.waiting),
+                        self.cache.num_used_pages, self.cache.pool.num_pages, 100 * self.cache_hit_rate,
+                        self.tree_tokens, self._log_tokens / (now - self._log_time))
             self._log_tokens, self._log_time = 0, now
