@@ -1,0 +1,144 @@
+"""Stage 6's prefix cache against itself with the cache off and against HF transformers, in the same run.
+
+    python -m common.bench radix [--model M] [--workloads shared multiturn random] [--repeats 1]
+
+Three workloads, greedy with ignore_eos so that every system produces the same number of tokens:
+  shared     a ~512-token system prompt shared by 64 requests, each with its own 16-64-token question, 32 tokens out
+  multiturn  16 conversations x 4 turns: each turn's prompt is the previous prompt + its answer + a new question
+             (token ids concatenated, as the engine saw them), 32 tokens out per turn
+  random     64 unrelated prompts of 64-256 tokens, 32 tokens out: nothing to share, so this measures the tree's cost
+Each engine runs the same calls; the radix engine starts every workload with an empty tree.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Run:
+    seconds: float
+    tokens: list[list[int]]  # every request's output, in call order
+    output_tokens: int
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+def _words(tokenizer, rng: random.Random, n: int) -> list[int]:
+    vocab = ("the engine keeps every key and value of a shared prompt in a tree so that later requests read them "
+             "instead of computing attention again over the same tokens for each new question they ask").split()
+    ids = tokenizer.encode(" ".join(rng.choice(vocab) for _ in range(n)), add_special_tokens=False)
+    return ids[:n]
+
+
+def workload_calls(name: str, tokenizer, seed: int = 0):
+    """A workload as a list of calls; a call is (prompts, max_new_tokens) or, for multi-turn, a function of the
+    previous call's outputs."""
+    rng = random.Random(seed)
+    if name == "shared":
+        system = _words(tokenizer, rng, 512)
+        prompts = [system + _words(tokenizer, rng, rng.randint(16, 64)) for _ in range(64)]
+        return [(prompts, 32)]
+    if name == "random":
+        return [([_words(tokenizer, rng, rng.randint(64, 256)) for _ in range(64)], 32)]
+    if name == "multiturn":
+        first = [_words(tokenizer, rng, rng.randint(64, 128)) for _ in range(16)]
+        questions = [[_words(tokenizer, rng, rng.randint(16, 32)) for _ in range(16)] for _ in range(3)]
+
+        def next_turn(turn: int):
+            def build(prev_prompts, prev_outputs):
+                return [p + o + q for p, o, q in zip(prev_prompts, prev_outputs, questions[turn])]
+            return build
+
+        return [(first, 32)] + [(next_turn(t), 32) for t in range(3)]
+    raise ValueError(f"unknown workload {name!r}")
+
+
+def run_calls(generate, calls) -> Run:
+    """generate(prompts, max_new_tokens) -> (outputs, cached tokens); multi-turn calls build on the previous."""
+    outputs: list[list[int]] = []
+    prompts: list[list[int]] = []
+    seconds = cached = prompt_tokens = 0
+    prev_prompts, prev_outputs = None, None
+    for spec, max_new in calls:
+        batch = spec(prev_prompts, prev_outputs) if callable(spec) else spec
+        start = time.perf_counter()
+        outs, hit = generate(batch, max_new)
+        seconds += time.perf_counter() - start
+        cached += hit
+        prompt_tokens += sum(map(len, batch))
+        outputs += outs
+        prompts += batch
+        prev_prompts, prev_outputs = batch, outs
+    return Run(seconds, outputs, sum(map(len, outputs)), prompt_tokens, cached)
+
+
+def engine_generate(llm, stage):
+    def generate(prompts, max_new):
+        results = llm.generate(prompts, stage.SamplingParams(max_new_tokens=max_new, ignore_eos=True))
+        return [r.token_ids for r in results], sum(r.cached_tokens for r in results)
+    return generate
+
+
+def hf_generate(model, pad_id: int, batch_size: int):
+    from common.bench import Workload, run_hf
+
+    def generate(prompts, max_new):
+        _, outs = run_hf(model, Workload(prompts, [max_new] * len(prompts)), batch_size, pad_id)
+        return outs, 0
+    return generate
+
+
+def bench_radix(args) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import stage6_radix
+    from common.bench import header
+    from common.models import resolve_model
+
+    path = resolve_model(args.model)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    header(f"prefix cache: {args.model}, stage 6 with the radix cache on / off vs HF generate, greedy, ignore_eos")
+    common = dict(attention_backend="torch", max_running_requests=64, verbose=False)
+    on = stage6_radix.LLM(str(path), **common)
+    off = stage6_radix.LLM(str(path), disable_radix_cache=True, **common)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    warm = [[1, 2, 3, 4]]
+    for llm in (on, off):
+        llm.generate(warm, stage6_radix.SamplingParams(max_new_tokens=2))
+    rows = []
+    for name in args.workloads:
+        calls = workload_calls(name, tok)
+        best: dict[str, Run] = {}
+        for _ in range(args.repeats):  # interleaved: a busy moment on the machine hits every system alike
+            on.scheduler.flush_cache()
+            systems = {"radix": engine_generate(on, stage6_radix), "no cache": engine_generate(off, stage6_radix),
+                       "HF generate": hf_generate(hf, tok.pad_token_id or 0, 64)}
+            for system, gen in systems.items():
+                run = run_calls(gen, calls)
+                if system not in best or run.seconds < best[system].seconds:
+                    best[system] = run
+        base = best["no cache"]
+        for system, run in best.items():
+            rows.append((name, system, run, run.output_tokens / run.seconds, base.seconds / run.seconds))
+        same_off = best["radix"].tokens == base.tokens
+        same_hf = sum(a == b for a, b in zip(best["radix"].tokens, best["HF generate"].tokens))
+        print(f"   {name}: {len(base.tokens)} requests, {base.prompt_tokens} prompt tokens, {base.output_tokens} "
+              f"output tokens; radix == no cache: {same_off}; == HF for {same_hf}/{len(base.tokens)}")
+    print(f"   {'workload':10s} {'system':12s} {'seconds':>8s} {'tok/s':>7s} {'vs no cache':>12s} {'hit rate':>9s}")
+    for name, system, run, tps, ratio in rows:
+        hit = f"{run.cached_tokens / run.prompt_tokens:8.0%}" if system == "radix" else f"{'-':>8s}"
+        print(f"   {name:10s} {system:12s} {run.seconds:8.2f} {tps:7.1f} {ratio:11.2f}x {hit}")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("radix", help="stage 6 prefix cache on vs off vs HF generate (shared, multi-turn, random)")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--workloads", nargs="+", default=["shared", "multiturn", "random"],
+                   choices=["shared", "multiturn", "random"])
+    p.add_argument("--repeats", type=int, default=1)
+    p.set_defaults(func=bench_radix)
