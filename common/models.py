@@ -232,6 +232,35 @@ def _tiny(config_cls_name: str, seed: int, **kwargs: Any) -> Builder:
     return functools.partial(_build_tiny, config_cls_name, seed, kwargs, shard_size=shard_size)
 
 
+# ----------------------------------------------------------------------------- real shapes, no weights
+# Qwen3-32B as published (its config.json): the shape stage 7 splits over GPUs. The folder holds the config and
+# SmolLM2's tokenizer only: engines load it with load_format="dummy" (random weights). "-2l" cuts it to 2 layers
+# and SmolLM2's 49152-token vocabulary, so that it runs on a CPU with the same layer shapes.
+QWEN3_32B_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 5120, "intermediate_size": 25600, "max_position_embeddings": 40960,
+    "num_attention_heads": 64, "num_hidden_layers": 64, "num_key_value_heads": 8, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "rope_scaling": None, "sliding_window": None, "use_sliding_window": False,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 151936,
+}
+
+
+def _build_shape(config: dict[str, Any], dst: Path, cache_dir: Path, **cut: int) -> None:
+    """A config-only checkpoint folder (no weights): the published config, optionally cut (`num_hidden_layers`,
+    `vocab_size`), with SmolLM2's tokenizer files so that text goes in and out."""
+    tok_dir = _tokenizer_source(cache_dir)
+    _copy_files(tok_dir, dst, _TOKENIZER_FILES)
+    ref = json.loads((tok_dir / "config.json").read_text())
+    config = {**config, **cut, "bos_token_id": ref["bos_token_id"], "eos_token_id": ref["eos_token_id"]}
+    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    generation = {"bos_token_id": ref["bos_token_id"], "eos_token_id": ref["eos_token_id"]}
+    (dst / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def _shape(config: dict[str, Any], **cut: int) -> Builder:
+    return functools.partial(_build_shape, config, **cut)
+
+
 # Sizes are chosen so every architectural feature is exercised: GQA/MQA head sharing,
 # head_dim != hidden/heads, tied and untied lm_heads, biases, q/k norms, rope scaling.
 # Seeds were picked among 0-15 for varied greedy output and no near-tied top-2 logits.
@@ -267,6 +296,8 @@ KNOWN_MODELS: dict[str, Builder] = {
         num_attention_heads=4, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False,
         sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
+    "qwen3-32b": _shape(QWEN3_32B_CONFIG),  # config only: load_format="dummy"
+    "qwen3-32b-2l": _shape(QWEN3_32B_CONFIG, num_hidden_layers=2, vocab_size=49152),  # CPU-sized cut
 }
 
 

@@ -8,6 +8,8 @@ import sys
 import time
 
 from . import LLM, SamplingParams
+from .distributed import TPError
+from .llm import serve_node
 from .attention import BACKENDS
 
 
@@ -57,6 +59,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="process each step's results before launching the next (stage 4's loop)")
     parser.add_argument("--memory-report", action="store_true",
                         help="print what the weights and the KV cache cost, then the load statistics")
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor parallelism: ranks the model is split over")
+    parser.add_argument("--nnodes", type=int, default=1, help="machines the tp ranks are spread over")
+    parser.add_argument("--node-rank", type=int, default=0,
+                        help="this machine's index; node 0 runs the requests, the others serve their ranks")
+    parser.add_argument("--dist-init-addr", default=None, help="host:port where rank 0 listens (multi-node)")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: random weights of the checkpoint's shapes (no weights read)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="loading progress bar (default: when stderr is a terminal)")
     parser.add_argument("--quiet", action="store_true", help="no one-line load report")
@@ -71,15 +80,19 @@ def main(argv: list[str] | None = None) -> None:
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
             min_p=args.min_p, repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
             presence_penalty=args.presence_penalty, stop=args.stop, seed=args.seed, ignore_eos=args.ignore_eos)
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-                  max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
-                  page_size=args.page_size, max_running_requests=args.max_running_requests,
-                  max_prefill_tokens=args.max_prefill_tokens, chunked_prefill_size=args.chunked_prefill_size,
-                  schedule_conservativeness=args.schedule_conservativeness,
-                  log_interval=args.log_interval, disable_cuda_graph=args.disable_cuda_graph,
-                  cuda_graph_max_bs=args.cuda_graph_max_bs, disable_overlap=args.disable_overlap,
-                  disable_radix_cache=args.disable_radix_cache, schedule_policy=args.schedule_policy,
-                  progress=args.progress, verbose=not args.quiet)
+        options = dict(device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
+                       max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
+                       page_size=args.page_size, max_running_requests=args.max_running_requests,
+                       max_prefill_tokens=args.max_prefill_tokens, chunked_prefill_size=args.chunked_prefill_size,
+                       schedule_conservativeness=args.schedule_conservativeness, log_interval=args.log_interval,
+                       disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
+                       disable_overlap=args.disable_overlap, disable_radix_cache=args.disable_radix_cache,
+                       schedule_policy=args.schedule_policy, progress=args.progress, tp_size=args.tp_size,
+                       nnodes=args.nnodes, dist_init_addr=args.dist_init_addr, load_format=args.load_format)
+        if args.node_rank > 0:  # another machine's share of the ranks: serve until rank 0 is done
+            serve_node(args.model, node_rank=args.node_rank, record_stats=False, **options)
+            return
+        llm = LLM(args.model, verbose=not args.quiet, **options)
         if args.memory_report:
             print_memory_report(llm)
         inputs = [llm.apply_chat_template(p) if args.chat and p else p for p in prompts]
@@ -96,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             results = llm.generate(inputs, params)
         elapsed = time.perf_counter() - start
-    except (ValueError, FileNotFoundError) as exc:  # UnsupportedModelError, CheckpointError included
+    except (ValueError, FileNotFoundError, TPError) as exc:  # UnsupportedModelError, CheckpointError included
         parser.exit(2, f"error: {exc}\n")
     if results is not None:
         texts = [f"error: {r.error}" if r.error else r.text for r in results]

@@ -26,11 +26,13 @@ from .attention import ForwardBatch, create_backend
 from .core import Batch
 from .graph import GraphRunner, can_capture
 from .kv_cache import PageTable, PagedKVPool
-from .models import ModelConfig, build_model
+from .models import ModelConfig, build_model, replicated_bytes
 from .tokenizer import read_eos_token_ids
-from .weights import load_weights
+from .distributed import SINGLE, TPInfo, min_over_ranks
+from .weights import load_dummy_weights, load_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_FORMATS = ("auto", "dummy")  # auto: the checkpoint's safetensors; dummy: random weights of the config's shapes
 
 
 def check_device(device: str | torch.device) -> torch.device:
@@ -57,6 +59,7 @@ class MemoryReport:
     kv_bytes_per_token: int  # 2 (K and V) * layers * kv_heads * head_dim * bytes per element
     kv_dtype: str
     max_context_len: int
+    replicated_bytes: int = 0  # stage 7: weights every rank holds whole (norms, biases after an all-reduce, shared KV)
 
     @property
     def param_bytes(self) -> int:
@@ -157,8 +160,12 @@ class Engine:
                  attention_backend: str | None = None, page_size: int = 16, max_running_requests: int = 128,
                  max_total_tokens: int | None = None, mem_fraction_static: float | None = None,
                  eos_token_ids: set[int] | None = None, progress: bool | None = None, verbose: bool = True,
-                 cuda_graph: bool = True, cuda_graph_max_bs: int = 64):
-        """max_total_tokens: the KV pool's size in tokens (default: sized from memory, see plan_kv_pool).
+                 cuda_graph: bool = True, cuda_graph_max_bs: int = 64, load_format: str = "auto",
+                 tp: TPInfo = SINGLE, control_group=None):
+        """Stage 7: `tp` says which shard of the model this process holds (its rank of tp_size); with tp_size > 1
+        the control group lets the ranks agree on one KV pool size. load_format "dummy": random weights from the
+        config alone (no checkpoint read; SGLang's --load-format dummy).
+        max_total_tokens: the KV pool's size in tokens (default: sized from memory, see plan_kv_pool).
         mem_fraction_static: the share of memory for weights + KV cache (default 0.88 of a GPU; on a CPU 0.25 of
         the available RAM, for the KV cache alone, at most 1 GiB). eos_token_ids: the tokenizer's (tokenizer.py);
         default: read from the checkpoint's configs. progress: a progress bar while loading (None: when stderr is
@@ -175,6 +182,8 @@ class Engine:
             raise ValueError(f"max_total_tokens={max_total_tokens} holds no page of {page_size} tokens")
         if mem_fraction_static is not None and not 0.0 < mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
         hf_config = json.loads((model_path / "config.json").read_text())
         config = ModelConfig.from_hf(hf_config)  # refuses what it cannot run, before any allocation
         dtype = resolve_dtype(dtype, config)
@@ -182,27 +191,37 @@ class Engine:
         self.eos_token_ids = set(eos_token_ids) if eos_token_ids else read_eos_token_ids(model_path, hf_config)
         self.attn_backend = create_backend(attention_backend, self.device)
 
-        self.model = build_model(config, self.device, dtype)  # empty, already in its dtype and on its device
+        self.tp = tp
+        self.model = build_model(config, self.device, dtype, tp)  # this rank's shard, empty, in dtype, on device
         self.config = cfg = self.model.config  # the family's view (e.g. Qwen2 adds qkv_bias)
-        self.load_stats = load_weights(self.model, model_path, progress=progress)
+        if load_format == "dummy":
+            self.load_stats = load_dummy_weights(self.model)
+        else:
+            self.load_stats = load_weights(self.model, model_path, progress=progress)
 
         # The KV pool is sized once, after the weights are in memory: every page any request will ever use is here.
-        bytes_per_token = PagedKVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+        # Each rank holds only its KV heads; all ranks must hold the same number of tokens (the scheduler is the
+        # same on every rank), so the smallest rank decides.
+        self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads  # this rank's
+        bytes_per_token = PagedKVPool.bytes_per_token(cfg.num_layers, self.num_kv_heads, cfg.head_dim, dtype)
         self.kv_plan = plan_kv_pool(self.device, bytes_per_token, page_size, max_total_tokens, mem_fraction_static,
                                     max_tokens_needed=max_running_requests * self.max_context_len)
+        if tp.size > 1:
+            self.kv_plan.num_pages = min_over_ranks(self.kv_plan.num_pages, control_group)
         # CUDA graphs pad batches with rows whose K/V must land somewhere harmless: one extra page that the cache
         # manager never sees (num_pages stays the usable count) holds the dummy slot.
         use_graphs = cuda_graph and can_capture(self.device)
         num_pages = self.kv_plan.num_pages
-        self.kv_pool = PagedKVPool(cfg.num_layers, num_pages + int(use_graphs), page_size, cfg.num_kv_heads,
+        self.kv_pool = PagedKVPool(cfg.num_layers, num_pages + int(use_graphs), page_size, self.num_kv_heads,
                                    cfg.head_dim, dtype, self.device)
         self.kv_pool.num_pages = num_pages
         self.dummy_slot = num_pages * page_size  # first slot of the reserved page (used only with graphs)
         if verbose:
             s = self.load_stats
-            print(f"[{type(self.model).__name__} from {model_path.name}: {s.tensors} tensors from {s.files} "
-                  f"file(s) in {s.seconds:.2f} s] {self.memory_report().summary()}; {self.kv_plan.summary()}",
-                  file=sys.stderr)
+            shard = f", tp rank {tp.rank} of {tp.size}" if tp.size > 1 else ""
+            source = "dummy weights" if load_format == "dummy" else f"{s.tensors} tensors from {s.files} file(s)"
+            print(f"[{type(self.model).__name__} from {model_path.name}{shard}: {source} in {s.seconds:.2f} s] "
+                  f"{self.memory_report().summary()}; {self.kv_plan.summary()}", file=sys.stderr)
         max_pages_per_req = -(-self.max_context_len // page_size)
         self.page_table = PageTable(max_running_requests, max_pages_per_req, self.device)
 
@@ -219,9 +238,9 @@ class Engine:
             by_dtype[name] = by_dtype.get(name, 0) + param.numel() * param.element_size()
             num_params += param.numel()
         cfg = self.config
-        kv_per_token = PagedKVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        kv_per_token = PagedKVPool.bytes_per_token(cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.dtype)
         return MemoryReport(by_dtype, num_params, kv_per_token, str(self.dtype).removeprefix("torch."),
-                            self.max_context_len)
+                            self.max_context_len, replicated_bytes(self.model))
 
     @property
     def max_context_len(self) -> int:

@@ -13,6 +13,17 @@ two layers stop mirroring the checkpoint one to one:
 All three projections read the same input, so one matmul over the stacked weight computes them together: fewer
 kernel launches and a larger, more efficient GEMM (the input is read once). The output is split afterwards.
 
+Stage 7, tensor parallelism (Megatron-LM's scheme, SGLang's names): every big matrix is split over tp_size ranks,
+and each rank computes with its slice. An attention block and an MLP each need just ONE all-reduce:
+
+    ColumnParallelLinear  (qkv_proj, gate_up_proj)  output rows split: each rank gets its heads / its slice of the
+                                                    intermediate size, and computes on them alone (no comm.)
+    RowParallelLinear     (o_proj, down_proj)       input columns split: each rank's product is a partial sum,
+                                                    all-reduced into the full [N, hidden]
+    VocabParallelEmbedding, ParallelLMHead          vocabulary split: masked lookup + all-reduce; logits all-gathered
+
+With tp_size 1 (the default) nothing is split and no collective is called: the layers compute exactly stage 6's.
+
 Parameters are created with torch.empty, not initialised: the loader overwrites every one of them, and checks
 that it did, so random init would only cost time (seconds for a large model on a CPU).
 """
@@ -25,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .distributed import SINGLE, TPInfo
 from .models.config import RopeScaling
 
 
@@ -99,15 +111,24 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def copy_into(dst: torch.Tensor, loaded: torch.Tensor) -> None:
-    """Copy a checkpoint tensor into (a slice of) a parameter, converting dtype and device on the way."""
+def copy_into(dst: torch.Tensor, loaded) -> None:
+    """Copy a checkpoint tensor (or the lazily read slice of one, weights.LazyTensor) into (a slice of) a parameter,
+    converting dtype and device on the way."""
     if dst.shape != loaded.shape:
         raise ValueError(f"checkpoint shape {tuple(loaded.shape)} != model shape {tuple(dst.shape)}")
-    dst.copy_(loaded)
+    dst.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded.read())
+
+
+def take_shard(loaded, dim: int, index: int, size: int, full: int):
+    """Rows [index * size, (index + 1) * size) along dim of a checkpoint tensor that must be `full` long there.
+    On a memory-mapped checkpoint only those rows are read."""
+    if loaded.shape[dim] != full:
+        raise ValueError(f"checkpoint shape {tuple(loaded.shape)}: dim {dim} should be {full}")
+    return loaded.narrow(dim, index * size, size)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-    """A parameter stored whole in the checkpoint, under its own name."""
+    """A parameter stored whole in the checkpoint, under its own name (replicated on every rank)."""
     if shard_id is not None:
         raise ValueError(f"this parameter is not merged, got shard_id={shard_id!r}")
     copy_into(param.data, loaded)
@@ -120,58 +141,144 @@ def _param(*shape: int) -> nn.Parameter:
     return param
 
 
-class Linear(nn.Module):
-    """y = x W^T (+ b), W: [out, in], stored whole in the checkpoint (o_proj, down_proj, lm_head)."""
+def _split(n: int, tp: TPInfo, what: str) -> int:
+    if n % tp.size:
+        raise ValueError(f"{what} {n} cannot be split over tp_size {tp.size}")
+    return n // tp.size
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b) with W's output rows split over the ranks: rank r holds rows [r * out/tp, (r+1) * out/tp).
+    Each rank computes its own slice of y; no communication (the next layer consumes the slice)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPInfo = SINGLE):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = _param(out_features, in_features)
-        self.bias = _param(out_features) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # [N, out]
-
-
-class MergedLinear(Linear):
-    """Several linears that read the same input, stacked along the output dim into one weight.
-
-    `output_sizes` maps each part's shard_id to its width. The checkpoint stores the parts as separate tensors;
-    `weight_loader(param, tensor, shard_id)` copies one of them into its rows (or its slice of the bias).
-    """
-
-    def __init__(self, in_features: int, output_sizes: dict, bias: bool = False):
-        super().__init__(in_features, sum(output_sizes.values()), bias)
-        self.output_sizes = list(output_sizes.values())  # for splitting the output: y.split(output_sizes, -1)
-        self.shard_offsets: dict = {}  # shard_id -> (first row, rows)
-        offset = 0
-        for shard_id, size in output_sizes.items():
-            self.shard_offsets[shard_id] = (offset, size)
-            offset += size
+        self.tp, self.in_features = tp, in_features
+        self.out_features = _split(out_features, tp, "output size")  # this rank's rows
+        self.weight = _param(self.out_features, in_features)
+        self.bias = _param(self.out_features) if bias else None
         for param in self.parameters():
             param.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"this parameter is not merged, got shard_id={shard_id!r}")
+        rows = param.shape[0]
+        copy_into(param.data, take_shard(loaded, 0, self.tp.rank, rows, rows * self.tp.size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # [N, out / tp]
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel linears that read the same input, stacked along the output dim (stage 3's merged
+    linears). Every part is split over the ranks on its own: rank r holds its slice of each part, stacked.
+
+    `output_sizes` maps each part's shard_id to its full width; `weight_loader(param, tensor, shard_id)` copies this
+    rank's slice of one part into its rows (or its slice of the bias)."""
+
+    def __init__(self, in_features: int, output_sizes: dict, bias: bool = False, tp: TPInfo = SINGLE):
+        self.shard_offsets: dict = {}  # shard_id -> (first local row, local rows, which slice of the full part)
+        offset = 0
+        for shard_id, size in output_sizes.items():
+            local = _split(size, tp, f"{shard_id!r} output size")
+            self.shard_offsets[shard_id] = (offset, local, tp.rank)
+            offset += local
+        super().__init__(in_features, offset * tp.size, bias, tp)
+        self.output_sizes = [local for _, local, _ in self.shard_offsets.values()]  # y.split(output_sizes, -1)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id) -> None:
         if shard_id not in self.shard_offsets:
             raise ValueError(f"unknown shard_id {shard_id!r}; this layer stacks {list(self.shard_offsets)}")
-        start, size = self.shard_offsets[shard_id]
-        copy_into(param.data.narrow(0, start, size), loaded)  # rows [start, start + size)
+        start, local, index = self.shard_offsets[shard_id]
+        part = take_shard(loaded, 0, index, local, local * self.full_rows(shard_id))
+        copy_into(param.data.narrow(0, start, local), part)  # this rank's rows of the part
+
+    def full_rows(self, shard_id) -> int:
+        return self.tp.size  # each part is split evenly: full = local * tp
 
 
-class QKVLinear(MergedLinear):
-    """q, k and v projections as one matmul: weight [(H + 2*KVH) * D, hidden], shards "q", "k", "v"."""
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v projections as one matmul: this rank's [(H + 2 * KVH) / tp * D, hidden], shards "q", "k", "v".
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool = False):
-        super().__init__(hidden_size, {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,
-                                       "v": num_kv_heads * head_dim}, bias)
+    Query heads are split over the ranks. KV heads too when there are at least as many as ranks; with fewer (Qwen3-32B
+    has 8 KV heads: tp 16 would leave half a head per rank) each KV head is *replicated* on tp / KVH ranks, every rank
+    holding the one KV head that its query heads share."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool = False,
+                 tp: TPInfo = SINGLE):
+        self.num_heads = _split(num_heads, tp, "num_attention_heads")  # this rank's query heads
+        self.kv_replicas = max(1, tp.size // num_kv_heads)  # ranks that hold the same KV head
+        self.num_kv_heads = max(1, num_kv_heads // tp.size)  # this rank's KV heads
+        super().__init__(hidden_size, {"q": num_heads * head_dim, "k": self.num_kv_heads * head_dim * tp.size,
+                                       "v": self.num_kv_heads * head_dim * tp.size}, bias, tp)
+        for kv in ("k", "v"):  # which slice of the checkpoint's k/v rows this rank reads
+            start, local, _ = self.shard_offsets[kv]
+            self.shard_offsets[kv] = (start, local, tp.rank // self.kv_replicas)
+
+    def full_rows(self, shard_id) -> int:
+        return self.tp.size if shard_id == "q" else self.tp.size // self.kv_replicas
 
 
-class Embedding(nn.Module):
-    """Token id -> row of a [vocab, hidden] matrix. With tied embeddings the LM head reuses this matrix."""
+class RowParallelLinear(nn.Module):
+    """y = x W^T (+ b) with W's input columns split over the ranks: rank r holds columns [r * in/tp, ...), and its
+    input is the slice the column-parallel layer before it produced. Each rank's product is a *partial sum* over its
+    columns: one all-reduce adds them up (the only communication of an attention block or an MLP). The bias is
+    added once, after the sum."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPInfo = SINGLE):
         super().__init__()
-        self.weight = _param(num_embeddings, embedding_dim)
+        self.tp, self.out_features = tp, out_features
+        self.in_features = _split(in_features, tp, "input size")
+        self.weight = _param(out_features, self.in_features)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = _param(out_features) if bias else None  # replicated
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"this parameter is not merged, got shard_id={shard_id!r}")
+        cols = param.shape[1]
+        copy_into(param.data, take_shard(loaded, 1, self.tp.rank, cols, cols * self.tp.size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))  # [N, out]: partial sums, then summed over ranks
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token id -> row of a [vocab, hidden] matrix, the vocabulary split over the ranks (padded to a multiple of
+    tp): rank r holds ids [r * V/tp, (r+1) * V/tp). A rank looks up the ids it holds, writes zeros for the others,
+    and an all-reduce assembles every row. With tied embeddings the LM head reuses this matrix (`logits`)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPInfo = SINGLE):
+        super().__init__()
+        self.tp, self.num_embeddings = tp, num_embeddings
+        self.rows = -(-num_embeddings // tp.size)  # this rank's share of the (padded) vocabulary
+        self.start = tp.rank * self.rows
+        self.weight = _param(self.rows, embedding_dim)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"this parameter is not merged, got shard_id={shard_id!r}")
+        if loaded.shape[0] != self.num_embeddings:
+            raise ValueError(f"checkpoint shape {tuple(loaded.shape)}: dim 0 should be {self.num_embeddings}")
+        real = max(0, min(self.rows, self.num_embeddings - self.start))  # the last rank may hold padding rows
+        param.data[real:].zero_()
+        copy_into(param.data[:real], loaded.narrow(0, self.start, real))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)  # [N, hidden]
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)  # [N, hidden]
+        local = input_ids - self.start
+        mine = (local >= 0) & (local < self.rows)  # [N]: ids this rank holds
+        x = F.embedding(local.clamp(0, self.rows - 1), self.weight) * mine[:, None]  # [N, hidden], zeros elsewhere
+        return self.tp.all_reduce(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, hidden] -> [B, vocab]: each rank scores its share of the vocabulary, an all-gather joins them."""
+        return self.tp.all_gather(F.linear(x, self.weight))[:, : self.num_embeddings]
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """An untied LM head: the same vocabulary split, its own [vocab, hidden] matrix; only `logits` is used."""

@@ -25,6 +25,7 @@ import difflib
 import json
 import sys
 import time
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,32 +208,116 @@ def prefix_hint(missing: list[str], unexpected: list[str]) -> str | None:
             f"e.g. LlamaModel, rather than ...ForCausalLM?).")
 
 
+class LazyTensor:
+    """A checkpoint tensor not read yet: `narrow` picks rows or columns, `read` reads only those from the memory
+    map. Tensor parallelism's weight loaders take their shard this way, so no rank ever reads a whole matrix it
+    holds only a slice of. `reads` counts (dtype, bytes) of what was read, for the load statistics."""
+
+    def __init__(self, file_slice, shape, reads: list, index: tuple = ()):
+        self.file_slice, self.shape, self.reads, self.index = file_slice, torch.Size(shape), reads, index
+
+    def narrow(self, dim: int, start: int, length: int) -> "LazyTensor":
+        index = list(self.index) + [slice(None)] * (len(self.shape) - len(self.index))
+        base = index[dim].start or 0
+        index[dim] = slice(base + start, base + start + length)
+        shape = list(self.shape)
+        shape[dim] = length
+        return LazyTensor(self.file_slice, shape, self.reads, tuple(index))
+
+    def read(self) -> torch.Tensor:
+        tensor = self.file_slice[self.index] if self.index else self.file_slice[:]
+        self.reads.append((str(tensor.dtype).removeprefix("torch."), tensor.numel() * tensor.element_size()))
+        return tensor
+
+
 def load_weights(model: nn.Module, model_path: Path, progress: bool | None = None) -> LoadStats:
-    """Fill every parameter of `model` from the checkpoint folder. progress: show a tqdm bar (None: if stderr
-    is a terminal)."""
+    """Fill every parameter of `model` (this rank's shard of it) from the checkpoint folder. progress: show a tqdm
+    bar (None: if stderr is a terminal)."""
     start = time.perf_counter()
     files = find_checkpoint_files(Path(model_path))
     plan, total_bytes = plan_load(model, files)
     params = dict(model.named_parameters())
     stats = LoadStats(files=len(files))
     show = sys.stderr.isatty() if progress is None else progress
+    shapes = {file: {n: info["shape"] for n, info in read_header(file).items()} for file in files}
     with tqdm(total=total_bytes, unit="B", unit_scale=True, disable=not show,
               desc=f"Loading {len(files)} safetensors file(s)") as bar:
         for file, name in plan:  # file order: each file is read front to back
             param_name, shard_id = plan[file, name]
             param = params[param_name]
-            # safe_open memory-maps the file and get_tensor reads nothing: the copy below faults the tensor's pages
-            # in. Those pages stay in our resident memory until the map is closed, so one map per tensor (a header
+            # safe_open memory-maps the file and get_slice reads nothing: the weight loader reads only this rank's
+            # rows. Those pages stay in our resident memory until the map is closed, so one map per tensor (a header
             # parse: microseconds) keeps the peak at model + one tensor instead of model + the whole file.
+            reads: list[tuple[str, int]] = []
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                tensor = f.get_tensor(name)
+                lazy = LazyTensor(f.get_slice(name), shapes[file][name], reads)
                 loader = getattr(param, "weight_loader", default_weight_loader)  # plain params: whole copy
-                loader(param, tensor, shard_id)  # converts dtype/device as it copies; shapes were checked
-                nbytes = tensor.numel() * tensor.element_size()
-                stats.checkpoint_dtypes[str(tensor.dtype).removeprefix("torch.")] += nbytes
-                del tensor  # the last reference to the map's pages
+                loader(param, lazy, shard_id)  # converts dtype/device as it copies; shapes were checked
+                del lazy  # the last reference to the map's pages
+            for dtype, nbytes in reads:
+                stats.checkpoint_dtypes[dtype] += nbytes
+                stats.bytes_read += nbytes
+                bar.update(nbytes)
             stats.tensors += 1
-            stats.bytes_read += nbytes
-            bar.update(nbytes)
     stats.seconds = time.perf_counter() - start
     return stats
+
+
+def load_dummy_weights(model: nn.Module, seed: int = 0) -> LoadStats:
+    """SGLang's --load-format dummy: random weights from the config alone, so a model's real shapes run without a
+    checkpoint on disk. Each checkpoint tensor is drawn whole from a generator seeded by its name, then handed to
+    the same weight loaders as a real file's: every tp_size gets the same model, sliced its way. The scales keep
+    greedy decoding decisive (logits spread by ~16, activations bounded), as the course's tiny checkpoints do."""
+    start = time.perf_counter()
+    params = dict(model.named_parameters())
+    stats = LoadStats(files=0)
+    shapes = checkpoint_shapes(model)
+    device = next(model.parameters()).device
+    layers = model.config.num_layers
+    for (param_name, shard_id), ckpt_name in expected_pieces(model).items():
+        shape = shapes[ckpt_name]
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(ckpt_name.encode()))
+        tensor = torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * _dummy_scale(
+            ckpt_name, shape, model.config.hidden_size, layers)
+        if ckpt_name.endswith("norm.weight") and ckpt_name != "model.norm.weight":
+            tensor += 1.0  # a gain around 1
+        param = params[param_name]
+        getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+        stats.tensors += 1
+        del tensor
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _dummy_scale(name: str, shape, hidden: int, layers: int) -> float:
+    if name == "model.norm.weight":
+        return 16.0 / hidden**0.5  # the final norm sets the logits' spread
+    if name.endswith("norm.weight"):
+        return 0.2
+    if "embed_tokens" in name or name.startswith("lm_head"):
+        return 1.0
+    if name.endswith(".bias"):
+        return 0.5
+    fan_in = shape[1]
+    if name.endswith(("o_proj.weight", "down_proj.weight")):  # what each layer writes into the residual stream
+        return 6.0 / fan_in**0.5 / max(1.0, layers / 2) ** 0.5
+    return 1.5 / fan_in**0.5
+
+
+def checkpoint_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor's full (unsharded) shape, read off a tp_size 1 copy of the model built on the meta
+    device (no memory): a merged parameter's parts have the widths its shard_offsets say."""
+    from .models import get_model_class  # here: models imports weights' neighbours, not the other way round
+
+    with torch.device("meta"):
+        full = get_model_class(model.config.architecture)(model.config)
+    modules = dict(full.named_modules())
+    shapes = {}
+    for (param_name, shard_id), ckpt_name in expected_pieces(full).items():
+        param = full.get_parameter(param_name)
+        if shard_id is None:
+            shapes[ckpt_name] = tuple(param.shape)
+        else:
+            _, rows, _ = modules[param_name.rsplit(".", 1)[0]].shard_offsets[shard_id]
+            shapes[ckpt_name] = (rows, *param.shape[1:])
+    return shapes

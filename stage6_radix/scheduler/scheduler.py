@@ -323,9 +323,11 @@ class Scheduler:
         self.inflight.append((batch, sampled, pending))
 
     def shutdown(self) -> None:
-        """Read back what is still in flight, then stop the device worker (LLM.close)."""
-        self.drain()
-        self.worker.shutdown()
+        """Read back what is still in flight, then stop the device worker (LLM.close), even if that step failed."""
+        try:
+            self.drain()
+        finally:
+            self.worker.shutdown()
 
     def drain(self) -> None:
         """Read every launched step now (the pipeline empties; its outputs go out with this step's)."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..distributed import SINGLE, TPInfo
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(replace(cfg, qkv_bias=False, o_bias=False, mlp_bias=False))
+    def __init__(self, cfg: ModelConfig, tp: TPInfo = SINGLE):
+        super().__init__(replace(cfg, qkv_bias=False, o_bias=False, mlp_bias=False), tp)

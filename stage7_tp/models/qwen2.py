@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..distributed import SINGLE, TPInfo
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(replace(cfg, qkv_bias=True, o_bias=False))
+    def __init__(self, cfg: ModelConfig, tp: TPInfo = SINGLE):
+        super().__init__(replace(cfg, qkv_bias=True, o_bias=False), tp)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..distributed import SINGLE, TPInfo
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(replace(cfg, qk_norm=True))
+    def __init__(self, cfg: ModelConfig, tp: TPInfo = SINGLE):
+        super().__init__(replace(cfg, qk_norm=True), tp)

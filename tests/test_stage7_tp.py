@@ -1,0 +1,170 @@
+"""Stage 7's lesson: one model split over several ranks (torch.distributed over gloo on a CPU) gives the golden
+tokens, each rank holding ~1/N of the weights and KV cache; several "nodes" on one machine work the same way; a
+rank that fails ends the engine with its name instead of a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from common.golden import failures, load_golden
+from common.models import resolve_model
+from stage7_tp import LLM, SamplingParams
+from stage7_tp.core import Req
+from stage7_tp.distributed import TPError, free_port, valid_tp_sizes
+
+TINY = ["tiny-llama", "tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"]
+
+
+def golden_run(llm, model: str) -> list[str]:
+    golden = load_golden(model)
+    results = llm.generate([c["prompt"] for c in golden["cases"]],
+                           SamplingParams(max_new_tokens=golden["max_new_tokens"]))
+    return failures(results, golden)
+
+
+def heads(model: str) -> tuple[int, int]:
+    cfg = json.loads((resolve_model(model) / "config.json").read_text())
+    return cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+
+@pytest.mark.parametrize("model", TINY)
+def test_golden_at_tp_2_and_4(model):
+    """With the radix cache, the overlap scheduler and chunked prefill on (a 64-token chunk cuts the long prompt)."""
+    for tp in (2, 4):
+        if tp not in valid_tp_sizes(*heads(model)):
+            continue
+        with LLM(str(resolve_model(model)), attention_backend="torch", tp_size=tp, chunked_prefill_size=64,
+                 max_total_tokens=8192, verbose=False) as llm:
+            assert llm.engine.tp.size == tp and llm.scheduler.overlap and llm.scheduler.cache.tree is not None
+            problems = golden_run(llm, model)
+        assert not problems, f"{model} at tp {tp}:\n" + "\n".join(problems)
+
+
+def test_smollm2_at_tp_3(smollm2_path):
+    """SmolLM2 has 9 query heads and 3 KV heads: tp 3 gives each rank 3 query heads and one KV head."""
+    with LLM(str(smollm2_path), tp_size=3, max_total_tokens=8192, verbose=False) as llm:
+        assert llm.engine.num_kv_heads == 1 and llm.engine.model.model.layers[0].self_attn.num_heads == 3
+        problems = golden_run(llm, "smollm2-135m-instruct")
+    assert not problems, "\n".join(problems)
+
+
+def test_each_rank_holds_and_reads_a_quarter(tiny_llama_path):
+    path = str(tiny_llama_path)
+    with LLM(path, attention_backend="torch", max_total_tokens=4096, verbose=False) as one:
+        (full,) = one.rank_reports()
+    with LLM(path, attention_backend="torch", tp_size=4, max_total_tokens=4096, verbose=False) as llm:
+        reports = llm.rank_reports()
+    assert [r["rank"] for r in reports] == [0, 1, 2, 3]
+    split = full["weight_bytes"] - full["replicated_bytes"]
+    for r in reports:
+        # The split part is a quarter (the vocabulary padded to a multiple of 4 adds nothing here: 49152 = 4 x 12288).
+        assert r["weight_bytes"] - r["replicated_bytes"] == pytest.approx(split / 4, rel=0.01)
+        assert r["replicated_bytes"] < 0.01 * r["weight_bytes"]  # norms, and the 2 KV heads shared by 4 ranks
+        assert r["kv_heads"] == 1 and r["kv_bytes_per_token"] == full["kv_bytes_per_token"] / 2  # 2 KV heads
+        assert r["kv_tokens"] == full["kv_tokens"] == 4096
+        # Each rank read only its slices of the checkpoint (plus what it replicates), never a whole matrix.
+        assert r["checkpoint_bytes_read"] < 0.3 * full["checkpoint_bytes_read"]
+
+
+def test_dummy_weights_are_the_same_model_at_every_tp(tiny_llama_path):
+    prompts = [[5, 6, 7, 8], [100, 200, 300] * 10]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    outs = {}
+    for tp in (1, 2):
+        with LLM(str(tiny_llama_path), attention_backend="torch", tp_size=tp, load_format="dummy",
+                 max_total_tokens=4096, verbose=False) as llm:
+            assert llm.engine.load_stats.bytes_read == 0
+            outs[tp] = [r.token_ids for r in llm.generate(prompts, params)]
+    with LLM(str(tiny_llama_path), attention_backend="torch", max_total_tokens=4096, verbose=False) as real:
+        assert [r.token_ids for r in real.generate(prompts, params)] != outs[1]  # random weights, not the file's
+    assert outs[1] == outs[2] and len(set(outs[1][0])) > 4  # and decisive: not one token repeated
+
+
+def test_two_nodes_on_localhost_match_one(tiny_llama_path):
+    path, addr = str(tiny_llama_path), f"127.0.0.1:{free_port()}"
+    prompts = [[1, 2, 3], [9] * 40, [77, 78]]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    with LLM(path, attention_backend="torch", tp_size=4, max_total_tokens=4096, verbose=False) as one_node:
+        want = [r.token_ids for r in one_node.generate(prompts, params)]
+    node1 = subprocess.Popen([sys.executable, "-m", "stage7_tp", "--model", path, "--attention-backend", "torch",
+                              "--tp-size", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr,
+                              "--max-total-tokens", "4096"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        with LLM(path, attention_backend="torch", tp_size=4, nnodes=2, dist_init_addr=addr,
+                 max_total_tokens=4096, verbose=False) as llm:
+            assert sorted(llm._ranks.procs) == [1]  # node 0 holds ranks 0 and 1; node 1 ranks 2 and 3
+            assert [r.token_ids for r in llm.generate(prompts, params)] == want
+        assert node1.wait(timeout=60) == 0, node1.stdout.read()
+    finally:
+        node1.kill()
+
+
+def test_killing_a_rank_ends_the_engine_naming_it(tiny_llama_path):
+    llm = LLM(str(tiny_llama_path), attention_backend="torch", tp_size=4, max_total_tokens=4096, verbose=False)
+    llm.add_request([1, 2, 3], SamplingParams(max_new_tokens=500, ignore_eos=True))
+    for _ in range(3):
+        llm.step()
+    victim = llm._ranks.procs[2]
+    os.kill(victim.pid, signal.SIGKILL)
+    start = time.perf_counter()
+    with pytest.raises(TPError, match="rank 2 failed: its process was killed by signal 9"):
+        while llm.has_unfinished_requests():
+            llm.step()
+    assert time.perf_counter() - start < 30
+    llm.close()
+    assert not any(p.is_alive() for p in llm._ranks.procs.values()), "no rank outlives the engine"
+
+
+def test_an_exception_in_a_rank_reaches_the_caller_with_its_traceback(tiny_llama_path):
+    llm = LLM(str(tiny_llama_path), attention_backend="torch", tp_size=2, max_total_tokens=4096, verbose=False)
+    bad = Req(99, [1, 2], SamplingParams(max_new_tokens=5))
+    bad.sampling_params.temperature = -1.0  # rank 0 would refuse it; smuggled in, rank 1 raises on it
+    llm._pending.adds.append(bad)
+    with pytest.raises(TPError, match=r"(?s)rank 1 failed: Traceback.*temperature must be >= 0"):
+        for _ in range(3):
+            llm.step()
+    llm.close()
+    assert not any(p.is_alive() for p in llm._ranks.procs.values())
+
+
+def test_close_stops_every_rank_and_bad_sizes_are_refused(tiny_llama_path):
+    path = str(tiny_llama_path)
+    llm = LLM(path, attention_backend="torch", tp_size=2, max_total_tokens=4096, verbose=False)
+    procs = list(llm._ranks.procs.values())
+    llm.close()
+    assert llm.closed and not any(p.is_alive() for p in procs)
+    with pytest.raises(ValueError, match="valid tp sizes: 1, 2, 4"):
+        LLM(path, tp_size=3)  # 4 query heads, 2 KV heads: refused before any rank starts
+    with pytest.raises(ValueError, match="multiple of nnodes"):
+        LLM(path, tp_size=3, nnodes=2, dist_init_addr="127.0.0.1:1")
+    assert valid_tp_sizes(9, 3, limit=9) == [1, 3, 9] and valid_tp_sizes(64, 8, limit=16) == [1, 2, 4, 8, 16]
+
+
+def test_sampling_without_a_seed_agrees_across_ranks(tiny_llama_path):
+    """A random draw must be the same on every rank, or the ranks' schedulers diverge: rank 0 gives the request
+    a seed. Run twice with tp 2: both runs stay consistent (no hang, no error), and seeded requests reproduce."""
+    params = [SamplingParams(max_new_tokens=10, temperature=1.0, ignore_eos=True),
+              SamplingParams(max_new_tokens=10, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)]
+    with LLM(str(tiny_llama_path), attention_backend="torch", tp_size=2, max_total_tokens=4096, verbose=False) as llm:
+        a = llm.generate([[1, 2, 3], [1, 2, 3]], params)
+        b = llm.generate([[1, 2, 3], [1, 2, 3]], params)
+    assert a[1].token_ids == b[1].token_ids and len(a[0].token_ids) == 10
+
+
+def test_command_line(tiny_llama_path):
+    out = subprocess.run([sys.executable, "-m", "stage7_tp", "--model", str(tiny_llama_path), "--no-chat",
+                          "--prompt", "Hello", "--prompt", "Bonjour", "--max-new-tokens", "4", "--ignore-eos",
+                          "--tp-size", "2", "--max-total-tokens", "4096"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "2 requests, 8 tokens" in out.stdout and "tp rank 0 of 2" in out.stderr
+    bad = subprocess.run([sys.executable, "-m", "stage7_tp", "--model", str(tiny_llama_path), "--tp-size", "3"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "valid tp sizes: 1, 2, 4" in bad.stderr
