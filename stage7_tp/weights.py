@@ -83,7 +83,8 @@ def find_checkpoint_files(model_path: Path) -> list[Path]:
     bins = sorted(p.name for p in model_path.glob("*.bin"))
     if bins:
         raise CheckpointError(BIN_ONLY_MESSAGE.format(path=model_path, files=", ".join(bins)))
-    raise CheckpointError(f"no *.safetensors files in {model_path}")
+    raise CheckpointError(f"no *.safetensors files in {model_path} (a config-only folder? load_format='dummy' runs "
+                          "it with random weights)")
 
 
 def read_header(file: Path) -> dict[str, dict]:
