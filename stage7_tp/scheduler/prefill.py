@@ -19,17 +19,22 @@ Rules, in order:
    locked (eviction may not take it) and starts the request's page-table row; `cached_len` starts at its length
    (capped so that at least one token is computed: its logits give the first new token), and only the rest counts
    against the budgets. Unlocked tree pages count as available: they are evicted when the free list runs short,
-   long before any running request would be preempted.
+   long before any running request would be preempted. Two new requests of one batch that share a prefix would
+   both compute it (neither is in the tree yet): the second waits one step and then finds it there.
 """
 
 from __future__ import annotations
 
 import math
 
+import torch
+
 from ..core import Batch, Req, ReqStatus
+from ..radix_cache import RadixCache
 from .cache_manager import CacheManager
 
 CLIP_MAX_NEW_TOKENS = 4096  # a request asking for more is estimated at this many (SGLang's default clip)
+IN_BATCH_PREFIX_THRESHOLD = 32  # tokens two prompts of one batch may both compute before one of them waits
 
 
 class PrefillAdder:
@@ -56,6 +61,12 @@ class PrefillAdder:
             pages += self.cache.pages_missing(r, r.cached_len + expected)
         return pages
 
+    def shares_with_batch(self, in_batch: RadixCache, req: Req, matched: int) -> bool:
+        """SGLang's in-batch prefix caching: a request that would compute, in the same batch as another, a prefix
+        of IN_BATCH_PREFIX_THRESHOLD tokens or more that the other computes too waits one step."""
+        shared = len(in_batch.match_prefix(req.all_ids[:-1]).indices)
+        return shared - matched >= max(IN_BATCH_PREFIX_THRESHOLD, self.cache.page_size)
+
     def build(self, chunked: Req | None, waiting: list[Req], running: list[Req], new_token_ratio: float,
               max_context_len: int) -> tuple[Batch | None, list[Req]]:
         """-> (the prefill batch or None, the waiting requests it admitted). `waiting` is in priority order."""
@@ -63,12 +74,15 @@ class PrefillAdder:
         rem_input, rem_chunk = self.max_prefill_tokens, self.chunked_prefill_size  # token budgets left
         reserved = self.reserved_pages(running, new_token_ratio, max_context_len)
         promised = 0  # pages of future tokens promised to the requests admitted so far
+        in_batch = RadixCache(self.cache.page_size)  # the prompts this batch computes (ids only: no slots)
         for req in ([chunked] if chunked else []) + waiting:
             is_new = req.status is ReqStatus.WAITING
             if is_new and not self.cache.can_run():
                 break  # every page-table row is taken: max_running_requests reached
             if is_new:  # stage 6: the tree may already hold the start of its prompt; lock it while we decide
                 matched = self.cache.match_prefix(req)
+                if self.shares_with_batch(in_batch, req, matched):
+                    continue  # next step it finds that prefix in the tree instead of computing it twice now
                 self.cache.lock(req)
             cached = matched if is_new else req.cached_len
             remaining = len(req.all_ids) - cached  # only the uncached suffix is computed, and needs pages
@@ -96,6 +110,7 @@ class PrefillAdder:
             assert ok, "pages were counted above"
             promised += need_later
             reqs.append(req)
+            in_batch.insert(req.all_ids, torch.zeros(len(req.all_ids), dtype=torch.int64))
             rem_input -= extend
             if rem_chunk is not None:
                 rem_chunk -= extend
