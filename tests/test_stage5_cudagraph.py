@@ -298,6 +298,7 @@ def test_emulated_graphs_with_overlap_arrivals_and_preemption(path, llms, monkey
 
 
 def test_emulated_graphs_with_triton_kernels(path, monkeypatch):
+    pytest.importorskip("triton", reason="triton is not installed (Linux only): our Triton kernels cannot run")
     prompts, params = mixed(6, seed=6, max_out=6)
     eager = LLM(path, attention_backend="triton", disable_overlap=True)
     want = [r.token_ids for r in eager.generate(prompts, params)]
