@@ -294,8 +294,9 @@ def test_emulated_graphs_with_triton_kernels(path, monkeypatch):
     monkeypatch.setattr(graph_module, "cuda", graph_emulator)
     llm = LLM(path, attention_backend="triton", disable_overlap=True, cuda_graph_max_bs=4)
     assert [r.token_ids for r in llm.generate(prompts, params)] == want
-    launches = [op for op in llm.engine.graph_runner.graphs[4].ops if op[0] == "triton"]
-    assert len(launches) == llm.engine.config.num_layers  # one decode kernel per layer, replayed as recorded
+    launches = [op[1].fn.__name__ for op in llm.engine.graph_runner.graphs[4].ops if op[0] == "triton"]
+    # per layer, the split decode kernel then its combine, replayed as recorded
+    assert launches == ["_decode_partial_kernel", "_decode_combine_kernel"] * llm.engine.config.num_layers
 
 
 def test_emulator_catches_a_frozen_host_value(path, llms, monkeypatch):
