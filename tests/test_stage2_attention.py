@@ -154,6 +154,45 @@ def test_triton_decode_matches_torch(tb, ratio, D):
     assert max_err(out, ref) < 1e-4
 
 
+# The flash-decoding shape: (GROUP = H // KVH, KVH, head_dim, num_kv_splits, seq_lens). With 16-key blocks a
+# 70-token context cut in 4 splits is [0, 32), [32, 64), [64, 70) and one empty split; lengths below the number of
+# splits leave most splits empty; seq_len 0 is a padding row (every split empty).
+DECODE_CASES = [
+    (1, 2, 32, 1, [1]),
+    (2, 2, 48, 3, [5, 0, 2]),
+    (3, 1, 64, 4, [1, 70, 33, 2, 64, 17]),
+    (4, 2, 80, 8, [7, 0, 50, 3, 1, 69, 16]),
+    (8, 1, 128, 2, [40, 1, 70, 0]),
+    (3, 3, 64, 16, [70, 9]),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group, KVH, D, splits, lens", DECODE_CASES,
+                         ids=[f"group{c[0]}-d{c[2]}-splits{c[3]}-b{len(c[4])}" for c in DECODE_CASES])
+def test_triton_flash_decoding_matches_torch(tb, group, KVH, D, splits, lens, dtype):
+    H, B = group * KVH, len(lens)
+    slots = [(7 * b + 3) % (B + 2) for b in range(B)]  # distinct rows, out of order, some rows unused
+    q, kc, vc, slot_ids, seq_lens = cache_batch(lens, slots, H, KVH, D, max_len=70, num_slots=B + 2, dtype=dtype,
+                                                slot_major=(group % 2 == 1))
+    out = tb.TritonBackend(decode_block_n=16, num_kv_splits=splits).decode(q, kc, vc, slot_ids, seq_lens, D**-0.5)
+    ref = TorchBackend().decode(q.float(), kc.float(), vc.float(), slot_ids, seq_lens, D**-0.5)
+    assert out.shape == (B, H, D) and out.dtype == dtype
+    assert not out.isnan().any()
+    pad = torch.tensor(lens) == 0
+    assert (out[pad] == 0).all()  # a padding row attends to nothing: zeros, whatever the reference's convention
+    if dtype == torch.float32:
+        assert max_err(out[~pad], ref[~pad]) < 1e-5
+    else:  # fp32 math inside, one final rounding to bf16: within half a bf16 ulp of the fp32 answer
+        assert ((out.float() - ref).abs()[~pad] <= ref.abs()[~pad] * 2**-8 + 1e-6).all()
+
+
+def test_triton_num_kv_splits_is_checked(tb):
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="num_kv_splits must be an integer >= 1"):
+            tb.TritonBackend(num_kv_splits=bad)
+
+
 def test_triton_bf16_on_cpu(tb):
     # bf16 is where the interpreter needs help (tiles cast to fp32 before tl.dot, final rounding done by torch):
     # the result must equal the fp32 attention of the same bf16 inputs up to bf16 rounding (half an ulp).
@@ -255,6 +294,22 @@ def test_triton_matches_torch_on_cuda(tb, dtype, tol, H, KVH, D):
     ref = TorchBackend().decode(q.float(), kc.float(), vc.float(), slot_ids, seq_lens, D**-0.5)
     out = tb.TritonBackend().decode(q, kc, vc, slot_ids, seq_lens, D**-0.5)
     assert out.dtype == dtype and max_err(out, ref) < tol
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("splits", [1, 8, 16])
+@pytest.mark.parametrize("H, KVH, D", [(32, 8, 128), (9, 3, 64), (8, 1, 80)])
+def test_flash_decoding_splits_on_cuda(tb, splits, H, KVH, D):
+    # The compiled kernels (tl.dot on [16, D] group tiles, the combine) with 1..16 splits: a padding row, a 1-token
+    # context, lengths below the split count, long ones; bf16, against fp32 attention of the same inputs.
+    lens, slots = [0, 1, 5, 8191, 16, 3000, 8192], [3, 0, 6, 1, 2, 5, 4]
+    q, kc, vc, slot_ids, seq_lens = cache_batch(lens, slots, H, KVH, D, max_len=8192, num_slots=7, layers=2,
+                                                dtype=torch.bfloat16, device="cuda")
+    ref = TorchBackend().decode(q.float(), kc.float(), vc.float(), slot_ids, seq_lens, D**-0.5)
+    out = tb.TritonBackend(num_kv_splits=splits).decode(q, kc, vc, slot_ids, seq_lens, D**-0.5)
+    pad = torch.tensor(lens, device="cuda") == 0
+    assert out.dtype == torch.bfloat16 and not out.isnan().any() and (out[pad] == 0).all()
+    assert max_err(out[~pad], ref[~pad]) < 2e-2
 
 
 @pytest.mark.cuda

@@ -241,6 +241,51 @@ def test_triton_decode_matches_torch(tb, ratio, D, page_size):
     assert max_err(out, ref) < 1e-4
 
 
+# The flash-decoding shape through the page table: (GROUP = H // KVH, KVH, head_dim, page_size, num_kv_splits,
+# seq_lens). seq_lens at page boundaries (ps - 1, ps, ps + 1, 2 ps), 1, lengths below the number of splits, and a
+# seq_len 0 padding row (its page-table row still points at a page holding a token: reading it would show). With
+# 16-key blocks, a 70-token context in 4 splits is [0, 32), [32, 64), [64, 70) and one empty split; blocks straddle
+# pages of 4.
+PAGED_DECODE_CASES = [
+    (1, 2, 32, 4, 1, [1]),
+    (2, 2, 48, 16, 3, [16, 0, 2]),
+    (3, 1, 64, 4, 4, [1, 70, 4, 5, 8, 17]),
+    (4, 2, 80, 1, 8, [7, 0, 50, 3, 1, 69, 16]),
+    (8, 1, 128, 16, 2, [33, 1, 70, 0]),
+    (3, 3, 64, 4, 16, [3, 70]),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group, KVH, D, page_size, splits, lens", PAGED_DECODE_CASES,
+                         ids=[f"group{c[0]}-d{c[2]}-page{c[3]}-splits{c[4]}-b{len(c[5])}" for c in PAGED_DECODE_CASES])
+def test_triton_flash_decoding_matches_torch(tb, group, KVH, D, page_size, splits, lens, dtype):
+    H = group * KVH
+    # Padding rows are built as 1-token requests, then given seq_len 0, as a CUDA-graph batch pads its rows.
+    d = paged_batch([(max(n, 1) - 1, 1) for n in lens], H, KVH, D, page_size, phase="decode", dtype=dtype,
+                    page_major=(group % 2 == 1))
+    fb = d["fb"]
+    fb.seq_lens = torch.tensor(lens, dtype=torch.int32)
+    fb.seq_lens_cpu = list(lens)
+    out = run(tb.TritonBackend(decode_block_n=16, num_kv_splits=splits), d, D**-0.5)
+    d32 = dict(d, q=d["q"].float(), k_cache=d["k_cache"].float(), v_cache=d["v_cache"].float())
+    ref = run(TorchBackend(), d32, D**-0.5)
+    assert out.shape == (len(lens), H, D) and out.dtype == dtype
+    assert not out.isnan().any()
+    pad = torch.tensor(lens) == 0
+    assert (out[pad] == 0).all()  # a padding row attends to nothing: zeros, whatever the reference's convention
+    if dtype == torch.float32:
+        assert max_err(out[~pad], ref[~pad]) < 1e-5
+    else:  # fp32 math inside, one final rounding to bf16: within half a bf16 ulp of the fp32 answer
+        assert ((out.float() - ref).abs()[~pad] <= ref.abs()[~pad] * 2**-8 + 1e-6).all()
+
+
+def test_triton_num_kv_splits_is_checked(tb):
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="num_kv_splits must be an integer >= 1"):
+            tb.TritonBackend(num_kv_splits=bad)
+
+
 def test_triton_forward_stores_then_reads_through_pages(tb):
     # The whole AttentionBackend.forward path: the new tokens' pool slots start out as garbage, forward stores the
     # new K/V there, then the extend reads them back through the page table (it never looks at the packed k/v).
@@ -362,6 +407,25 @@ def test_triton_matches_torch_on_cuda(tb, dtype, tol, H, KVH, D, page_size):
         ref = run(TorchBackend(), d32, D**-0.5)
         out = run(tb.TritonBackend(), d, D**-0.5)
         assert out.dtype == dtype and max_err(out, ref) < tol, phase
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("splits", [1, 8, 16])
+@pytest.mark.parametrize("H, KVH, D, page_size", [(32, 8, 128, 16), (9, 3, 64, 1), (8, 1, 80, 64)])
+def test_flash_decoding_splits_on_cuda(tb, splits, H, KVH, D, page_size):
+    # The compiled kernels (tl.dot on [16, D] group tiles, the combine) with 1..16 splits, through the page table: a
+    # padding row, a 1-token context, lengths below the split count, long ones; bf16, against fp32 attention.
+    lens = [0, 1, 5, 8191, 16, 3000, 8192]
+    d = paged_batch([(max(n, 1) - 1, 1) for n in lens], H, KVH, D, page_size, phase="decode", dtype=torch.bfloat16,
+                    device="cuda")
+    d["fb"].seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    d["fb"].seq_lens_cpu = list(lens)
+    d32 = dict(d, q=d["q"].float(), k_cache=d["k_cache"].float(), v_cache=d["v_cache"].float())
+    ref = run(TorchBackend(), d32, D**-0.5)
+    out = run(tb.TritonBackend(num_kv_splits=splits), d, D**-0.5)
+    pad = torch.tensor(lens, device="cuda") == 0
+    assert out.dtype == torch.bfloat16 and not out.isnan().any() and (out[pad] == 0).all()
+    assert max_err(out[~pad], ref[~pad]) < 2e-2
 
 
 @pytest.mark.cuda

@@ -219,6 +219,24 @@ def test_gpu_bench_rehearsal_on_cpu(tmp_path):
     assert "| tiny-shape | 3 |" in (tmp_path / "stage5_gpu.md").read_text()
 
 
+def test_attention_bench_rehearsal_on_cpu(tmp_path, monkeypatch):
+    """common/bench_attention.py end to end on the CPU (--smoke): the flash-decoding kernels, the per-head peer and
+    SDPA all run, agree, and fill the table; a peer that disagrees fails the run."""
+    pytest.importorskip("triton")
+    from common import bench_attention
+
+    report = bench_attention.main(["--smoke", "--out", str(tmp_path)])
+    rows = report["rows"]
+    assert [(r["batch"], r["context"]) for r in rows] == [(1, 5), (1, 150), (3, 5), (3, 150)]
+    for r in rows:
+        assert r["flash_decoding_us"] > 0 and r["per_head_us"] > 0 and r["sdpa_us"] > 0
+        assert r["max_diff_vs_per_head"] < 2e-2 and r["max_diff_vs_sdpa"] < 2e-2
+    assert (tmp_path / "attention_gpu.md").read_text().count("| tiny (4/2/16) |") == 4
+    monkeypatch.setattr(bench_attention, "per_head_decode", lambda q, *args: torch.zeros_like(q))
+    with pytest.raises(SystemExit, match="disagree"):
+        bench_attention.main(["--smoke", "--out", str(tmp_path / "broken")])
+
+
 def test_command_line(path):
     out = subprocess.run([sys.executable, "-m", "stage5_cudagraph", "--model", path, "--no-chat", "--prompt", "a b",
                           "--max-new-tokens", "4", "--disable-overlap", "--disable-cuda-graph"],
@@ -305,8 +323,9 @@ def test_emulated_graphs_with_triton_kernels(path, monkeypatch):
     monkeypatch.setattr(graph_module, "cuda", graph_emulator)
     llm = LLM(path, attention_backend="triton", disable_overlap=True, cuda_graph_max_bs=4)
     assert [r.token_ids for r in llm.generate(prompts, params)] == want
-    launches = [op for op in llm.engine.graph_runner.graphs[4].ops if op[0] == "triton"]
-    assert len(launches) == llm.engine.config.num_layers  # one decode kernel per layer, replayed as recorded
+    launches = [op[1].fn.__name__ for op in llm.engine.graph_runner.graphs[4].ops if op[0] == "triton"]
+    # per layer, the split decode kernel then its combine, replayed as recorded
+    assert launches == ["_decode_partial_kernel", "_decode_combine_kernel"] * llm.engine.config.num_layers
 
 
 def test_emulator_catches_a_frozen_host_value(path, llms, monkeypatch):
