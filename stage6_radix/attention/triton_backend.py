@@ -1,5 +1,5 @@
 """Our own attention kernels, written in Triton, now reading K/V through the page table: an extend kernel and a
-paged decode kernel.
+paged split ("flash-decoding") decode kernel.
 
 What changed since stage 2 (the math did not: read stage 2's triton_backend.py for the online softmax):
 
@@ -22,7 +22,8 @@ What changed since stage 2 (the math did not: read stage 2's triton_backend.py f
    extend kernel reads the prefix from the pool and the new tokens from the packed k/v, in two loops; one loop is
    simpler and costs one extra trip through the pool for the new tokens.)
 
-3. Decode is stage 2's decode with the slot row replaced by the page lookup of 1.
+3. Decode is stage 2's decode with the slot row replaced by the page lookup of 1: the same grid (request x KV head x
+   split of the keys, every query head of a group in one tile), the same partials and the same combine kernel.
 
 Running on a CPU: same policy as stage 2. Triton compiles for GPUs only; its interpreter (TRITON_INTERPRET=1, read
 when `@triton.jit` runs: for our kernels when this module is imported, for triton's own helpers when triton is first
@@ -142,56 +143,110 @@ def _extend_kernel(
 
 
 @triton.jit
-def _decode_kernel(
-    Q, K_cache, V_cache, O,  # q, out: [B, H, D]; caches: [num_pages, PAGE_SIZE, KVH, D] (any strides)
+def _decode_partial_kernel(
+    Q, K_cache, V_cache,  # q: [B, H, D]; caches: [num_pages, PAGE_SIZE, KVH, D] (any strides)
+    Part_O, Part_LSE,  # scratch, fp32: [B, H, NUM_KV_SPLITS, D] each split's own answer, [B, H, NUM_KV_SPLITS] its lse
     req_rows, seq_lens, page_table,  # [B] int32 row, [B] int32 tokens to attend to, [max_rows, max_pages] int32
     qk_scale,
     stride_qb, stride_qh, stride_qd,
     stride_kp, stride_ks, stride_kh, stride_kd,
     stride_vp, stride_vs, stride_vh, stride_vd,
-    stride_ob, stride_oh, stride_od,
+    stride_pb, stride_ph, stride_ps, stride_pd,
+    stride_lb, stride_lh, stride_ls,
     stride_ptr, stride_ptp,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # query rows of the tile: GROUP padded up to a power of two >= 16 (tl.dot's minimum)
+    BLOCK_N: tl.constexpr, NUM_KV_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # One program = one request x one query head, as in stage 2; only the address of key `pos` changed.
+    # One program = one request x one KV head x one split of its keys, for the whole query group, as in stage 2;
+    # only the address of key `pos` changed.
     req = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_head = head // GROUP
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     pt_row = page_table + tl.load(req_rows + req).to(tl.int64) * stride_ptr
     seq_len = tl.load(seq_lens + req)  # includes the token being decoded: its K/V is already in the pool
 
+    # This split's keys: [split_start, split_end). The split length is cdiv(seq_len, NUM_KV_SPLITS) rounded up to
+    # whole blocks, so no block straddles two splits. Short contexts leave the last splits empty (and a seq_len 0
+    # padding request all of them): their loop runs zero times.
+    split_len = ((seq_len + NUM_KV_SPLITS - 1) // NUM_KV_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    split_start = split * split_len
+    split_end = tl.minimum(split_start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)  # [BLOCK_H] row i of the tile is query head kv_head * GROUP + i
+    heads = kv_head * GROUP + offs_h
+    mask_h = offs_h < GROUP  # rows GROUP .. BLOCK_H-1 are padding: q = 0 there, never stored
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(Q + req * stride_qb + head * stride_qh + offs_d * stride_qd, mask=mask_d, other=0.0)
-    q = q.to(tl.float32)  # [BLOCK_D]; one query row: plain fp32 multiply-and-sum, no tl.dot
+    q = tl.load(Q + req * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
 
-    m_i = float("-inf")
-    l_i = 0.0
-    acc = tl.full([BLOCK_D], 0.0, dtype=tl.float32)
-    for n_start in range(0, seq_len, BLOCK_N):
-        pos = n_start + offs_n
-        mask_k = pos < seq_len  # no causal mask: the one query is the newest token and sees every key
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # the online softmax of one query row per head
+    l_i = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_H, BLOCK_D], 0.0, dtype=tl.float32)
+    for n_start in range(split_start, split_end, BLOCK_N):
+        pos = n_start + offs_n  # [BLOCK_N] key positions
+        mask_k = pos < split_end  # no causal mask: the one query is the newest token and sees every key
         page = tl.load(pt_row + (pos // PAGE_SIZE) * stride_ptp, mask=mask_k, other=0).to(tl.int64)
         slot = pos % PAGE_SIZE
         kv_mask = mask_k[:, None] & mask_d[None, :]
         k = tl.load(K_cache + page[:, None] * stride_kp + slot[:, None] * stride_ks + kv_head * stride_kh
-                    + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+                    + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(V_cache + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh
                     + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        s = tl.sum(q[None, :] * k.to(tl.float32), axis=1) * qk_scale  # [BLOCK_N]
-        s = tl.where(mask_k, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
+        s = tl.where(mask_k[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every block the loop visits holds a key of the split
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+        p = tl.exp2(s - m_new[:, None])  # [BLOCK_H, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    l_i = tl.where(l_i > 0, l_i, 1.0)  # seq_len == 0 (an empty padding request) writes zeros, not 0/0 = NaN
-    tl.store(O + req * stride_ob + head * stride_oh + offs_d * stride_od, (acc / l_i).to(O.dtype.element_ty),
-             mask=mask_d)
+    # The split's own answer acc / l, and lse = m + log2(l): the log (base 2, like the scores) of its share of the
+    # softmax denominator. An empty split has l = 0, m = -inf: it stores 0 and lse -inf, i.e. weight 0 in the combine.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    p_offs = req * stride_pb + heads * stride_ph + split * stride_ps  # [BLOCK_H]
+    tl.store(Part_O + p_offs[:, None] + offs_d[None, :] * stride_pd, acc / l_safe[:, None],
+             mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(Part_LSE + req * stride_lb + heads * stride_lh + split * stride_ls, m_i + tl.log2(l_safe), mask=mask_h)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    Part_O, Part_LSE, O,  # [B, H, NUM_KV_SPLITS, D], [B, H, NUM_KV_SPLITS] (fp32) -> out: [B, H, D]
+    stride_pb, stride_ph, stride_ps, stride_pd,
+    stride_lb, stride_lh, stride_ls,
+    stride_ob, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,  # BLOCK_S: NUM_KV_SPLITS padded to a power of two
+):
+    # One program = one request x one query head: merge its NUM_KV_SPLITS partial answers into one.
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_KV_SPLITS
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(Part_LSE + req * stride_lb + head * stride_lh + offs_s * stride_ls, mask=mask_s,
+                  other=float("-inf"))  # [BLOCK_S]
+    o = tl.load(Part_O + req * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :] * stride_pd,
+                mask=mask_s[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+    # Split s holds o_s = acc_s / l_s and lse_s = m_s + log2(l_s). The whole softmax is
+    # sum_s acc_s 2^m_s / sum_s l_s 2^m_s = sum_s o_s 2^lse_s / sum_s 2^lse_s: weights 2^(lse_s - max), as in the
+    # online softmax's rescaling (subtracting the max keeps exp2 from overflowing).
+    m = tl.max(lse, axis=0)
+    m = tl.where(m > float("-inf"), m, 0.0)  # every split empty (seq_len 0): weights 2^-inf = 0, not -inf - -inf = NaN
+    w = tl.exp2(lse - m)  # [BLOCK_S], 0 for empty splits
+    total = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)  # [BLOCK_D]; zeros for seq_len 0
+    tl.store(O + req * stride_ob + head * stride_oh + offs_d * stride_od, out.to(O.dtype.element_ty), mask=mask_d)
 
 
 def _launch_flags(dtype: torch.dtype) -> tuple[bool, str]:
@@ -213,6 +268,25 @@ def _extend_config(BLOCK_D: int, dtype: torch.dtype) -> tuple[int, int, int, int
     return 64, 32, 8, 2
 
 
+# How many programs share one request's keys in decode (SGLang: --triton-attention-num-kv-splits, default 8). Fixed
+# per backend, not computed from seq_lens: the grid must not depend on device data (stage 5 records decode in a CUDA
+# graph). On a GPU 8, untuned until measured (`python -m common.bench_attention` times it against one program per
+# query head): more splits fill more SMs at small batch and long context; each split costs a partial row of
+# scratch. Under the interpreter, where every program is a Python loop, 2: fewer programs run faster, and 2 still
+# sends every engine run through the split-and-combine path.
+DEFAULT_NUM_KV_SPLITS = 2 if INTERPRET else 8
+
+
+def _decode_config(BLOCK_D: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the split decode kernel. Each step holds a [16, BLOCK_D] query tile, two
+    [BLOCK_N, BLOCK_D] K/V tiles and the fp32 accumulator in registers. Compiled for sm_80 and sm_90 without a GPU:
+    no spills; at head_dim 128, 32 keys per step take ~170 registers a thread where 64 hit ptxas's 255 cap (SGLang's
+    grouped decode kernel also steps 32 keys with 4 warps). Untuned until measured (`common/bench_attention.py`)."""
+    if INTERPRET:
+        return 64, 4, 1  # the interpreter runs each program as a Python loop: fewer, bigger steps are faster
+    return (64 if BLOCK_D <= 64 else 32), 4, 2
+
+
 def _empty_out(q: torch.Tensor) -> torch.Tensor:
     # Under the interpreter the kernels write fp32 and torch rounds to bf16/fp16 (the interpreter truncates).
     return torch.empty(q.shape, dtype=torch.float32 if INTERPRET else q.dtype, device=q.device)
@@ -221,9 +295,13 @@ def _empty_out(q: torch.Tensor) -> torch.Tensor:
 class TritonBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, block_m: int | None = None, block_n: int | None = None, decode_block_n: int | None = None):
+    def __init__(self, block_m: int | None = None, block_n: int | None = None, decode_block_n: int | None = None,
+                 num_kv_splits: int = DEFAULT_NUM_KV_SPLITS):
         # None = a default picked per head_dim at launch. Tests pass small blocks to exercise the multi-block paths.
+        if not isinstance(num_kv_splits, int) or num_kv_splits < 1:
+            raise ValueError(f"num_kv_splits must be an integer >= 1, got {num_kv_splits!r}")
         self.block_m, self.block_n, self.decode_block_n = block_m, block_n, decode_block_n
+        self.num_kv_splits = num_kv_splits
 
     @staticmethod
     def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, fb: ForwardBatch,
@@ -273,15 +351,27 @@ class TritonBackend(AttentionBackend):
         page_size, KVH = k_cache.shape[1], k_cache.shape[2]
         assert H % KVH == 0, f"{H} query heads cannot share {KVH} kv heads evenly"
         BLOCK_D = self._check(q, k_cache, v_cache, fb, ("req_rows", "seq_lens", "page_table"))
-        BLOCK_N = self.decode_block_n or (64 if BLOCK_D <= 128 else 32)
+        BLOCK_N, num_warps, num_stages = _decode_config(BLOCK_D)
+        BLOCK_N = self.decode_block_n or BLOCK_N
+        GROUP, S = H // KVH, self.num_kv_splits
         out = _empty_out(q)  # [B, H, D]
         if B == 0:
             return out.to(q.dtype)
+        upcast, precision = _launch_flags(q.dtype)
+        part_o = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device)  # the splits' partials, as in stage 2
+        part_lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
         # k_cache is one layer's view of the [L, num_pages, page_size, KVH, D] pool: its strides let the kernel read
         # it in place, as in stage 2.
-        _decode_kernel[(B, H)](
-            q, k_cache, v_cache, out, fb.req_rows, fb.seq_lens, fb.page_table, scale * LOG2E,
-            *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *fb.page_table.stride(),
-            PAGE_SIZE=page_size, GROUP=H // KVH, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+        _decode_partial_kernel[(B, KVH, S)](
+            q, k_cache, v_cache, part_o, part_lse, fb.req_rows, fb.seq_lens, fb.page_table, scale * LOG2E,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), *part_o.stride(), *part_lse.stride(),
+            *fb.page_table.stride(),
+            PAGE_SIZE=page_size, GROUP=GROUP, HEAD_DIM=D, BLOCK_D=BLOCK_D,
+            BLOCK_H=max(16, triton.next_power_of_2(GROUP)), BLOCK_N=BLOCK_N, NUM_KV_SPLITS=S, UPCAST=upcast,
+            DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        )
+        _decode_combine_kernel[(B, H)](
+            part_o, part_lse, out, *part_o.stride(), *part_lse.stride(), *out.stride(),
+            HEAD_DIM=D, BLOCK_D=BLOCK_D, NUM_KV_SPLITS=S, BLOCK_S=triton.next_power_of_2(S),
         )
         return out.to(q.dtype)  # no-op on a GPU
