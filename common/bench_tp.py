@@ -2,7 +2,7 @@
 
     python -m common.bench tp [--model qwen3-32b-2l] [--tp 1 2 4] [--dtype float32]
     python -m common.bench tp --plan          # the memory plan of the full Qwen3-32B on 1, 2, 4, 8 x 80 GB GPUs
-    python -m common.bench tp --device cuda --model qwen3-32b --dtype bfloat16 --tp 1 4 --out DIR   # on a GPU
+    python -m common.bench tp --served --device cuda --model qwen3-32b --dtype bfloat16 --tp 1 4 --out DIR  # GPU
 
 The default model is Qwen3-32B's published shape cut to 2 layers and SmolLM2's vocabulary (common/models.py):
 hidden 5120, 64 query / 8 KV heads of 128, intermediate 25600, with dummy weights. For each tp it reports what one
@@ -51,8 +51,8 @@ def bench_tp(args) -> None:
     if args.plan:
         print_plan()
         return
-    if args.device == "cuda":
-        bench_tp_gpu(stage7_tp, str(resolve_model(args.model)), args)
+    if args.served:
+        bench_tp_served(stage7_tp, str(resolve_model(args.model)), args)
         return
     path = str(resolve_model(args.model))
     header(f"tensor parallelism: {args.model} ({args.dtype}, dummy weights), {args.num_requests} requests of "
@@ -74,22 +74,28 @@ def bench_tp(args) -> None:
               f"{sorted({r['kv_heads'] for r in run['reports']})}, collectives {run['comm']}")
 
 
-def bench_tp_gpu(stage, path: str, args) -> None:
-    """On a GPU: the full-depth model in bf16 with dummy weights, per tp size: memory per rank, decode step time at
-    batch 1 and 32 (CUDA graphs and overlap on, as served), tokens/s. A tp size the machine cannot run (NCCL wants
-    one GPU per rank) is recorded with its error."""
+def bench_tp_served(stage, path: str, args) -> None:
+    """The engine as served (CUDA graphs and overlap on): per tp size, memory per rank, decode step time at batch 1
+    and 32, tokens/s. Meant for a GPU with the full-depth model (--device cuda --model qwen3-32b --dtype bfloat16);
+    on a CPU it rehearses the same code on a small model. A tp size the machine cannot run (NCCL wants one GPU per
+    rank) is recorded with its error."""
     import json
     from pathlib import Path
 
     import torch
 
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     rows = []
     for tp in args.tp:
-        row = {"tp": tp, "model": args.model, "dtype": args.dtype, "device": torch.cuda.get_device_name()}
+        row = {"tp": tp, "model": args.model, "dtype": args.dtype,
+               "device": torch.cuda.get_device_name() if cuda else "cpu"}
         try:
-            torch.cuda.reset_peak_memory_stats()
-            with stage.LLM(path, device="cuda", tp_size=tp, load_format="dummy", dtype=args.dtype,
-                           max_running_requests=64, verbose=False) as llm:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            with stage.LLM(path, device=args.device, tp_size=tp, load_format="dummy", dtype=args.dtype,
+                           max_running_requests=64, max_total_tokens=None if cuda else 16384,
+                           verbose=False) as llm:
                 report = llm.rank_reports()[0]
                 row.update(weights_gib=report["weight_bytes"] / GIB, kv_tokens=report["kv_tokens"])
                 for batch in (1, 32):
@@ -98,15 +104,15 @@ def bench_tp_gpu(stage, path: str, args) -> None:
                     for new in (1, 1 + args.max_new_tokens):  # prefill alone, then prefill + decode
                         params = stage.SamplingParams(max_new_tokens=new, ignore_eos=True)
                         llm.generate(prompts, params)  # warm (graph buckets, caches)
-                        torch.cuda.synchronize()
+                        sync()
                         start = time.perf_counter()
                         llm.generate(prompts, params)
-                        torch.cuda.synchronize()
+                        sync()
                         timings.append(time.perf_counter() - start)
                     step = (timings[1] - timings[0]) / args.max_new_tokens
                     row[f"decode_ms_bs{batch}"] = 1e3 * step
                     row[f"tok_s_bs{batch}"] = batch / step
-                row["max_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+                row["max_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB if cuda else float("nan")
                 row["graph_replays"] = llm.engine.num_graph_replays
         except Exception as exc:  # noqa: BLE001 — recorded: what this machine allows is the result
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
@@ -162,7 +168,9 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--plan", action="store_true", help="print the full Qwen3-32B memory plan and exit")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="cuda: full model in bf16 (e.g. --model qwen3-32b --dtype bfloat16 --tp 1 4)")
-    p.add_argument("--out", default=None, help="write stage7_gpu.json / .md here (cuda)")
+    p.add_argument("--served", action="store_true",
+                   help="the engine as served: memory, decode step time, tokens/s (GPU: --device cuda --model "
+                        "qwen3-32b --dtype bfloat16 --tp 1 4)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--out", default=None, help="with --served: write stage7_gpu.json / .md here")
     p.set_defaults(func=bench_tp)
