@@ -339,7 +339,8 @@ def new_stage(root: Path, number: int, name: str) -> Stage:
 
 def cmd_new(root: Path, args: argparse.Namespace) -> int:
     stage = new_stage(root, args.number, args.name)
-    print(f"created {stage.name}/ from stage {args.number - 1}; now edit its README.md and write the lesson")
+    print(f"created {stage.name}/ from stage {args.number - 1}; now edit its README.md and write the lesson, then "
+          f"save its notebook executed: python -m common.notebooks execute {stage.number}")
     return 0
 
 
