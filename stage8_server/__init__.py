@@ -1,0 +1,11 @@
+"""Stage 7 — tensor parallelism: one model split over several ranks (processes, GPUs, machines)."""
+
+from .core import Batch, Req, ReqStatus, SamplingParams
+from .distributed import TPError
+from .llm import LLM, GenerateResult, StreamChunk
+from .models import UnsupportedModelError
+from .tokenizer import Tokenizer, TokenizerConfig
+from .weights import CheckpointError
+
+__all__ = ["LLM", "SamplingParams", "GenerateResult", "StreamChunk", "Req", "ReqStatus", "Batch",
+           "UnsupportedModelError", "CheckpointError", "Tokenizer", "TokenizerConfig", "TPError"]
