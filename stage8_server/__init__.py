@@ -1,4 +1,4 @@
-"""Stage 7 — tensor parallelism: one model split over several ranks (processes, GPUs, machines)."""
+"""Stage 8 — the server: an OpenAI-compatible HTTP service in front of the engine (python -m stage8_server)."""
 
 from .core import Batch, Req, ReqStatus, SamplingParams
 from .distributed import TPError

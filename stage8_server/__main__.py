@@ -1,4 +1,8 @@
-"""python -m stage8_server --prompt "..." --prompt "..." --max-new-tokens 100 [--stream]"""
+"""python -m stage8_server --model M --port 30000            serve the OpenAI-compatible API (the default)
+python -m stage8_server --prompt "..." [--prompt "..."] [--stream]   generate offline, as earlier stages did
+
+Engine flags apply to both; sampling flags (--temperature, --stop, ...) to the offline run only: a server takes
+them from each request."""
 
 from __future__ import annotations
 
@@ -8,15 +12,26 @@ import sys
 import time
 
 from . import LLM, SamplingParams
-from .distributed import TPError
-from .llm import serve_node
 from .attention import BACKENDS
+from .distributed import TPError
+from .llm import resolve_model_path, serve_node
+
+
+OFFLINE_FLAGS = ("chat", "stream", "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                 "frequency_penalty", "presence_penalty", "stop", "seed", "ignore_eos", "memory_report")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m stage8_server", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m stage8_server", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="short name or local HF folder")
-    parser.add_argument("--prompt", action="append", help="repeat for several requests")
+    parser.add_argument("--host", default="127.0.0.1", help="server: address to listen on")
+    parser.add_argument("--port", type=int, default=30000, help="server: port (0: any free port)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="server: the model name clients send and /v1/models lists (default: --model)")
+    parser.add_argument("--log-level", default="warning", help="server: uvicorn's log level")
+    parser.add_argument("--prompt", action="append",
+                        help="generate offline for this prompt instead of serving (repeat for several requests)")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="wrap each prompt in the model's chat template (default on)")
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
@@ -62,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tp-size", type=int, default=1, help="tensor parallelism: ranks the model is split over")
     parser.add_argument("--nnodes", type=int, default=1, help="machines the tp ranks are spread over")
     parser.add_argument("--node-rank", type=int, default=0,
-                        help="this machine's index; node 0 runs the requests, the others serve their ranks")
+                        help="this machine's index; node 0 serves the requests, the others serve their ranks")
     parser.add_argument("--dist-init-addr", default=None, help="host:port where rank 0 listens (multi-node)")
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="dummy: random weights of the checkpoint's shapes (no weights read)")
@@ -70,29 +85,51 @@ def main(argv: list[str] | None = None) -> None:
                         help="loading progress bar (default: when stderr is a terminal)")
     parser.add_argument("--quiet", action="store_true", help="no one-line load report")
     args = parser.parse_args(argv)
-    prompts = args.prompt or ["What is the capital of France? Answer in one paragraph.",
-                              "Write a haiku about the sea.", "List three uses of a paperclip."]
     if args.log_interval:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    engine_args = dict(
+        model=args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
+        max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
+        page_size=args.page_size, max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens, chunked_prefill_size=args.chunked_prefill_size,
+        schedule_conservativeness=args.schedule_conservativeness, log_interval=args.log_interval,
+        disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
+        disable_overlap=args.disable_overlap, disable_radix_cache=args.disable_radix_cache,
+        schedule_policy=args.schedule_policy, progress=args.progress, verbose=not args.quiet, tp_size=args.tp_size,
+        nnodes=args.nnodes, dist_init_addr=args.dist_init_addr, load_format=args.load_format)
+    if args.node_rank > 0:  # another machine's share of the tensor-parallel ranks: serve them until node 0 is done
+        engine_args.pop("verbose")
+        try:
+            serve_node(node_rank=args.node_rank, record_stats=False, **engine_args)
+        except (ValueError, FileNotFoundError, TPError) as exc:
+            parser.exit(2, f"error: {exc}\n")
+        return
+    if not args.prompt:
+        from .server.launch import launch_server  # FastAPI, uvicorn, zmq: needed only to serve
 
+        offline_only = [f"--{name.replace('_', '-')}" for name in OFFLINE_FLAGS
+                        if getattr(args, name) != parser.get_default(name)]
+        if offline_only:
+            parser.error(f"{', '.join(offline_only)}: for the offline run (with --prompt); a server takes sampling "
+                         "parameters from each request")
+
+        try:
+            engine_args["model"] = resolve_model_path(args.model)  # every process loads the same folder
+        except (ValueError, FileNotFoundError) as exc:
+            parser.exit(2, f"error: {exc}\n")
+        sys.exit(launch_server(engine_args, args.host, args.port, args.served_model_name or args.model,
+                               args.log_level))
+    run_offline(parser, args, engine_args)
+
+
+def run_offline(parser: argparse.ArgumentParser, args: argparse.Namespace, engine_args: dict) -> None:
+    prompts = args.prompt
     try:
         params = SamplingParams(
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
             min_p=args.min_p, repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
             presence_penalty=args.presence_penalty, stop=args.stop, seed=args.seed, ignore_eos=args.ignore_eos)
-        options = dict(device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-                       max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
-                       page_size=args.page_size, max_running_requests=args.max_running_requests,
-                       max_prefill_tokens=args.max_prefill_tokens, chunked_prefill_size=args.chunked_prefill_size,
-                       schedule_conservativeness=args.schedule_conservativeness, log_interval=args.log_interval,
-                       disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                       disable_overlap=args.disable_overlap, disable_radix_cache=args.disable_radix_cache,
-                       schedule_policy=args.schedule_policy, progress=args.progress, tp_size=args.tp_size,
-                       nnodes=args.nnodes, dist_init_addr=args.dist_init_addr, load_format=args.load_format)
-        if args.node_rank > 0:  # another machine's share of the ranks: serve until rank 0 is done
-            serve_node(args.model, node_rank=args.node_rank, record_stats=False, **options)
-            return
-        llm = LLM(args.model, verbose=not args.quiet, **options)
+        llm = LLM(**engine_args)
         if args.memory_report:
             print_memory_report(llm)
         inputs = [llm.apply_chat_template(p) if args.chat and p else p for p in prompts]

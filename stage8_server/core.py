@@ -109,6 +109,10 @@ class Req:
     prefix_indices: object = None  # [matched] int64 KV slots of the matched prefix (a torch tensor)
     last_node: object = None  # the tree node where the match ended: locked while the request holds its row
     cached_tokens: int = 0  # prompt tokens served from the cache at its first admission (not computed)
+    # Stage 8, the server: OpenAI's logprobs. The scheduler returns, per generated token, its log-probability and
+    # those of the top_logprobs_num most likely tokens (computed only for requests that ask).
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
 
     def __post_init__(self) -> None:
         # A new request has nothing cached and feeds its whole prompt in the first forward (prefill).

@@ -31,6 +31,9 @@ import torch
 import torch.distributed as dist
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)  # the longest a rank waits for a peer that went silent
+# Waiting for rank 0's next command is not a failure: an idle server sends none for hours. (If rank 0 dies, its
+# sockets close and the wait fails at once.)
+COMMAND_TIMEOUT = datetime.timedelta(days=7)
 COMM = Counter()  # calls and bytes per collective on this rank (the notebook shows them)
 
 
@@ -85,7 +88,7 @@ def init_process_groups(rank: int, world_size: int, dist_init_addr: str, device:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://{dist_init_addr}", rank=rank, world_size=world_size,
                             timeout=COLLECTIVE_TIMEOUT)
-    control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
     return TPInfo(rank, world_size, dist.group.WORLD), control
 
 

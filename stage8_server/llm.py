@@ -171,14 +171,20 @@ class LLM:
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an int, got {priority!r}")
-        if self.tp_size > 1 and params.seed is None and not params.is_greedy:
-            params = replace(params, seed=random.getrandbits(63))  # every rank must draw the same token
         req = Req(self._next_rid, self.encode(prompt), params, priority=priority)
+        self.add_req(req)
+        self._next_rid += 1
+        return req
+
+    def add_req(self, req: Req) -> None:
+        """Queue a request its caller built (stage 8's server picks its own rids and sets Req fields such as
+        return_logprob). A bad request raises ValueError and leaves the engine untouched."""
+        params = req.sampling_params
+        if self.tp_size > 1 and params.seed is None and not params.is_greedy:
+            req.sampling_params = replace(params, seed=random.getrandbits(63))  # every rank must draw the same token
         self.scheduler.add_request(req)
         if self.tp_size > 1:
             self._pending.adds.append(copy.deepcopy(req))  # as it is now: the other ranks add it at the next step
-        self._next_rid += 1
-        return req
 
     def step(self) -> list[StepOutput]:
         """One forward pass of the engine; what each touched request produced. With tensor parallelism, first

@@ -79,6 +79,24 @@ def sample_tensor(logits: torch.Tensor, reqs: list[Req], generators: list[torch.
     return torch.where(is_greedy, greedy_ids, sampled_ids)
 
 
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> tuple[torch.Tensor, ...]:
+    """The log-probabilities a server returns (stage 8's logprobs): logits [R, vocab], token_ids [R] -> the chosen
+    tokens' logprobs [R], and the top_k most likely tokens' logprobs and ids [R, top_k]. From the model's own
+    distribution (raw logits: before penalties and temperature), as vLLM reports them by default."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [R, vocab]
+    chosen = logprobs.gather(1, token_ids[:, None])[:, 0]  # [R]
+    top_values, top_ids = logprobs.topk(top_k, dim=-1)  # [R, top_k] each
+    return chosen, top_values, top_ids
+
+
+def logprobs_to_host(found: dict) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+    """A step's logprob tensors (the scheduler's launch) -> host values by position in the step's sampled list."""
+    if not found:
+        return {}
+    chosen, values, ids = (t.tolist() for t in found["values"])
+    return {j: (c, list(zip(i, v))) for j, c, v, i in zip(found["rows"], chosen, values, ids)}
+
+
 def _on_device(values: list, device: torch.device) -> torch.Tensor:
     """A small host list as a device tensor. On CUDA through pinned memory without blocking: this runs on the
     overlap worker's stream, and a plain (pageable) copy would make the host wait for the whole forward queued

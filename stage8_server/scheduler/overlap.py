@@ -68,6 +68,7 @@ class Pending:
     value: object = None
     timing: StepTiming | None = None
     keep_alive: list = field(default_factory=list)  # inputs the device may still read (CUDA allocator safety)
+    logprobs: dict = field(default_factory=dict)  # stage 8: the step's logprob tensors, when a request asked
 
     def wait(self):
         if self.future is not None:

@@ -51,7 +51,7 @@ from ..core import Batch, Req, ReqStatus
 from ..detokenizer import IncrementalDetokenizer
 from ..engine import Engine
 from ..radix_cache import RadixCache
-from ..sampler import sample_tensor
+from ..sampler import logprobs_to_host, sample_tensor, token_logprobs
 from .cache_manager import CacheManager
 from .decode import DecodeManager
 from .overlap import DeviceWorker, Pending, StepTiming
@@ -78,6 +78,8 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     req: Req  # the request itself (read-only for callers)
+    logprob: float | None = None  # stage 8, when req.return_logprob: the token's log-probability
+    top_logprobs: list[tuple[int, float]] | None = None  # and the top_logprobs_num most likely (token id, logprob)
 
 
 @dataclass
@@ -108,6 +110,7 @@ class Scheduler:
     overlap: bool = True  # process step N-1's results while step N runs (False: stage 4's synchronous loop)
     disable_radix_cache: bool = False  # True: no prefix cache, stage 5's behaviour
     schedule_policy: str = "lpm"  # waiting-queue order within a priority level: "lpm" (longest prefix match), "fcfs"
+    stream_text: bool = True  # False (stage 8): text comes from the detokenizer process; stop strings still here
     waiting: list[Req] = field(default_factory=list)
     stats: list[StepStats] = field(default_factory=list)
     timings: list[StepTiming] = field(default_factory=list)  # per step, when record_stats
@@ -153,7 +156,7 @@ class Scheduler:
             raise ValueError("stop strings need a tokenizer")
         req.arrival = self.step_count
         self.reqs[req.rid] = req
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and (self.stream_text or params.stop_strings):
             self.detok[req.rid] = IncrementalDetokenizer(self.tokenizer, params.stop_strings)
         gen = None
         if params.seed is not None:
@@ -305,13 +308,20 @@ class Scheduler:
         engine = self.engine
         rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.long, device=engine.device)  # [S]
         sel = torch.tensor(sample_rows, dtype=torch.long, device=engine.device)  # [S]
+        want = [j for j, r in enumerate(reqs) if r.return_logprob]  # stage 8: who asked for logprobs
+        top_k = max((reqs[j].top_logprobs_num for j in want), default=0)
+        want_rows = torch.tensor(want, dtype=torch.long, device=engine.device)  # [W]
+        logprobs: dict = {}
 
         def device_step() -> torch.Tensor:  # runs on the device worker
             logits = engine.run(fb)  # [B, vocab]
             if not reqs:
                 return torch.empty(0, dtype=torch.long, device=engine.device)
-            tokens = sample_tensor(logits[sel], reqs, gens)  # [S], on the device
+            logits = logits[sel]  # [S, vocab]
+            tokens = sample_tensor(logits, reqs, gens)  # [S], on the device
             engine.future_tokens[rows] = tokens  # the next step's placeholders read them here
+            if want:  # read by process() once the step is done, like the tokens
+                logprobs.update(rows=want, values=token_logprobs(logits[want_rows], tokens[want_rows], top_k))
             return tokens
 
         timing = StepTiming(self.step_count, batch.phase, batch.size, (start, time.perf_counter()))
@@ -319,7 +329,7 @@ class Scheduler:
         # fb.input_ids is listed on its own because engine.run replaces it with the resolved ids.
         keep_alive = [fb, fb.input_ids, rows, sel]
         pending = self.worker.submit(device_step)  # without overlap, this runs the step before returning
-        pending.timing, pending.keep_alive = timing, keep_alive
+        pending.timing, pending.keep_alive, pending.logprobs = timing, keep_alive, logprobs
         self.inflight.append((batch, sampled, pending))
 
     def shutdown(self) -> None:
@@ -339,7 +349,8 @@ class Scheduler:
         tokens, events = pending.wait()
         t0 = time.perf_counter()
         outputs = []
-        for (req, index), token_id in zip(sampled, tokens):
+        logprobs = logprobs_to_host(pending.logprobs)  # {index in sampled: (logprob, top (id, logprob) pairs)}
+        for j, ((req, index), token_id) in enumerate(zip(sampled, tokens)):
             if req.finished:  # it finished at an earlier step (or was aborted) while this one was in flight
                 continue
             req.output_ids[index] = token_id
@@ -349,8 +360,10 @@ class Scheduler:
                 req.device_len, req.cached_len = len(req.all_ids), len(req.all_ids) - 1
             req.check_invariants()
             detok = self.detok.pop(req.rid, None) if req.finished else self.detok.get(req.rid)
-            delta = detok.take_delta(final=req.finished) if detok else ""
-            outputs.append(StepOutput(req.rid, [token_id], delta, req.finished, req.finish_reason, req))
+            delta = detok.take_delta(final=req.finished) if detok and self.stream_text else ""
+            logprob, top = logprobs.get(j, (None, None))
+            outputs.append(StepOutput(req.rid, [token_id], delta, req.finished, req.finish_reason, req, logprob,
+                                      top[: req.top_logprobs_num] if top is not None else None))
         self.decoder.remove_finished()
         still_launched = {r.rid for b, _, _ in self.inflight for r in b.reqs}
         for req in [r for r in self.deferred if r.rid not in still_launched]:
