@@ -205,7 +205,7 @@ def running(system: str, model_path: Path, stage: str, log_dir: Path):
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if proc.poll() is not None:
-                hint = " (transformers serve needs accelerate: pip install -e \".[bench]\")" if system.startswith("hf") else ""
+                hint = ' (transformers serve needs accelerate: pip install -e ".[bench]")' if system.startswith("hf") else ""
                 raise RuntimeError(f"{system} exited with {proc.returncode}; see {log.name}{hint}")
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
