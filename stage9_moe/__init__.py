@@ -1,4 +1,4 @@
-"""Stage 6 — the radix-tree prefix cache: compute a shared prefix once, reuse its KV across requests."""
+"""Stage 9 — mixture of experts (Qwen3-MoE, Mixtral): a router, stacked experts, a fused MoE kernel."""
 
 from .core import Batch, Req, ReqStatus, SamplingParams
 from .llm import LLM, GenerateResult, StreamChunk

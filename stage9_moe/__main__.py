@@ -1,4 +1,4 @@
-"""python -m stage6_radix --prompt "..." --prompt "..." --max-new-tokens 100 [--stream]"""
+"""python -m stage9_moe --prompt "..." --prompt "..." --max-new-tokens 100 [--stream]"""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from .attention import BACKENDS
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m stage6_radix", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m stage9_moe", description=__doc__)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="short name or local HF folder")
     parser.add_argument("--prompt", action="append", help="repeat for several requests")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache (stage 5's engine)")
     parser.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"],
                         help="waiting-queue order within a priority: longest cached prefix first, or arrival order")
+    parser.add_argument("--moe-runner-backend", default="auto", choices=["auto", "triton", "torch"],
+                        help="MoE layers: fused Triton kernels (triton), the per-expert reference loop (torch); "
+                             "auto = triton on CUDA, torch on CPU")
     parser.add_argument("--disable-overlap", action="store_true",
                         help="process each step's results before launching the next (stage 4's loop)")
     parser.add_argument("--memory-report", action="store_true",
@@ -79,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
                   log_interval=args.log_interval, disable_cuda_graph=args.disable_cuda_graph,
                   cuda_graph_max_bs=args.cuda_graph_max_bs, disable_overlap=args.disable_overlap,
                   disable_radix_cache=args.disable_radix_cache, schedule_policy=args.schedule_policy,
+                  moe_runner_backend=args.moe_runner_backend,
                   progress=args.progress, verbose=not args.quiet)
         if args.memory_report:
             print_memory_report(llm)

@@ -157,12 +157,13 @@ class Engine:
                  attention_backend: str | None = None, page_size: int = 16, max_running_requests: int = 128,
                  max_total_tokens: int | None = None, mem_fraction_static: float | None = None,
                  eos_token_ids: set[int] | None = None, progress: bool | None = None, verbose: bool = True,
-                 cuda_graph: bool = True, cuda_graph_max_bs: int = 64):
+                 cuda_graph: bool = True, cuda_graph_max_bs: int = 64, moe_runner_backend: str = "auto"):
         """max_total_tokens: the KV pool's size in tokens (default: sized from memory, see plan_kv_pool).
         mem_fraction_static: the share of memory for weights + KV cache (default 0.88 of a GPU; on a CPU 0.25 of
         the available RAM, for the KV cache alone, at most 1 GiB). eos_token_ids: the tokenizer's (tokenizer.py);
         default: read from the checkpoint's configs. progress: a progress bar while loading (None: when stderr is
-        a terminal). verbose: one line on load."""
+        a terminal). verbose: one line on load. moe_runner_backend: the MoE layers' path, "auto" (fused Triton
+        kernels where they run, else the reference loop), "triton" or "torch" (moe.py)."""
         model_path = Path(model_path)
         if not (model_path / "config.json").exists():
             raise FileNotFoundError(f"no config.json in {model_path}: not a Hugging Face model folder")
@@ -182,7 +183,7 @@ class Engine:
         self.eos_token_ids = set(eos_token_ids) if eos_token_ids else read_eos_token_ids(model_path, hf_config)
         self.attn_backend = create_backend(attention_backend, self.device)
 
-        self.model = build_model(config, self.device, dtype)  # empty, already in its dtype and on its device
+        self.model = build_model(config, self.device, dtype, moe_runner_backend)  # empty, in its dtype and device
         self.config = cfg = self.model.config  # the family's view (e.g. Qwen2 adds qkv_bias)
         self.load_stats = load_weights(self.model, model_path, progress=progress)
 

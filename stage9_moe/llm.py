@@ -78,12 +78,14 @@ class LLM:
                  record_stats: bool = False, tokenizer_config: TokenizerConfig | None = None,
                  progress: bool | None = None, verbose: bool = True, disable_cuda_graph: bool = False,
                  cuda_graph_max_bs: int = 64, disable_overlap: bool = False, disable_radix_cache: bool = False,
-                 schedule_policy: str = "lpm"):
+                 schedule_policy: str = "lpm", moe_runner_backend: str = "auto"):
         """dtype: float32, bfloat16, float16 or "auto" (the checkpoint's). max_total_tokens / mem_fraction_static:
         the KV pool's size (engine.plan_kv_pool). max_prefill_tokens, chunked_prefill_size, schedule_conservativeness:
         admission (scheduler/prefill.py). progress: a loading progress bar (None: when stderr is a terminal).
         verbose: print one line on load with the memory report and the KV pool's size. disable_radix_cache: no
         prefix cache (stage 5's engine). schedule_policy: "lpm" (longest cached prefix first) or "fcfs".
+        moe_runner_backend: MoE layers' path, "auto" (fused Triton kernels on CUDA, else the reference), "triton"
+        or "torch" (moe.py).
 
         With overlap on, the LLM owns a device-worker thread: `close()` (or `with LLM(...) as llm:`) stops it; an
         LLM that is garbage-collected, or still open when the interpreter exits, is closed then."""
@@ -93,7 +95,8 @@ class LLM:
                              page_size=page_size, max_running_requests=max_running_requests,
                              max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
                              eos_token_ids=self.tokenizer.eos_token_ids, progress=progress, verbose=verbose,
-                             cuda_graph=not disable_cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs)
+                             cuda_graph=not disable_cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
+                             moe_runner_backend=moe_runner_backend)
         if self.tokenizer.config.max_length is None:  # leave room for at least one generated token
             self.tokenizer.config.max_length = self.engine.max_context_len - 1
         self.scheduler = Scheduler(self.engine, self.tokenizer, max_prefill_tokens=max_prefill_tokens,

@@ -2,7 +2,8 @@
 
     "architectures": ["Qwen3ForCausalLM"]   ->   MODEL_REGISTRY["Qwen3ForCausalLM"]
 
-Families share one decoder (llama.py); each other file holds only what its family changes.
+Families share one decoder (llama.py); each other file holds only what its family changes. The MoE families
+(qwen3_moe.py, mixtral.py) add a router and experts (moe.py) to the layers their config makes sparse.
 """
 
 from __future__ import annotations
@@ -12,17 +13,22 @@ import contextlib
 import torch
 from torch import nn
 
+from ..moe import set_moe_runner_backend
 from .config import ModelConfig, RopeScaling, UnsupportedModelError
 from .llama import LlamaForCausalLM
 from .mistral import MistralForCausalLM
+from .mixtral import MixtralForCausalLM
 from .qwen2 import Qwen2ForCausalLM
 from .qwen3 import Qwen3ForCausalLM
+from .qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,  # Llama 2/3/3.1/3.2, SmolLM2, TinyLlama, ...
     "Qwen2ForCausalLM": Qwen2ForCausalLM,  # Qwen2, Qwen2.5
     "Qwen3ForCausalLM": Qwen3ForCausalLM,  # Qwen3 dense
     "MistralForCausalLM": MistralForCausalLM,  # Mistral 7B
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,  # Qwen3-30B-A3B, Qwen3-235B-A22B
+    "MixtralForCausalLM": MixtralForCausalLM,  # Mixtral 8x7B, 8x22B
 }
 
 __all__ = ["MODEL_REGISTRY", "ModelConfig", "RopeScaling", "UnsupportedModelError", "get_model_class",
@@ -46,11 +52,14 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
+def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype,
+                moe_runner_backend: str = "auto") -> nn.Module:
     """An empty model, allocated directly on `device` in `dtype`: no float32 copy first, no random init (the
     loader fills every parameter). Stage 2 built in float32 on the CPU and then cast: 2x the memory for bfloat16,
-    and a host-RAM copy of the whole model before a GPU ever saw it."""
+    and a host-RAM copy of the whole model before a GPU ever saw it. moe_runner_backend: the path of the MoE
+    layers, "auto" | "triton" (fused) | "torch" (reference); see moe.py."""
     model_cls = get_model_class(cfg.architecture)
     with torch.device(device), default_dtype(dtype):
         model = model_cls(cfg)
+    set_moe_runner_backend(model, moe_runner_backend)
     return model.eval()
