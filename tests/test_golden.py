@@ -1,13 +1,15 @@
 """The golden-output harness: every stage, through the common API, against Hugging Face's greedy outputs.
 
-Nothing here is stage-specific: a stage joins by existing. Stages 1 and 2 run Llama without RoPE scaling only
-(their READMEs say so; the model zoo arrives in stage 3): for those documented pairs their UnsupportedModelError
-is a skip, with the reason. Anywhere else an UnsupportedModelError is a failure: a later stage runs every checkpoint.
+Nothing here is stage-specific: a stage joins by existing. Each checkpoint has a first stage that runs it
+(FIRST_STAGE: stages 1 and 2 run Llama without RoPE scaling only, the model zoo arrives in stage 3, mixture of
+experts in stage 9); an earlier stage's UnsupportedModelError is a skip, with the reason. Anywhere else an
+UnsupportedModelError is a failure: from its first stage on, every stage runs the checkpoint.
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 
 import pytest
 
@@ -15,9 +17,20 @@ from common.golden import GOLDEN_MODELS, discover_stages, failures, load_golden
 from common.models import resolve_model
 
 STAGES = discover_stages()
-# The only pairs allowed to skip: what stages 1 and 2 document they cannot run (families and rope scaling of stage 3).
-LLAMA_ONLY_STAGES = {"stage1_naive", "stage2_batch"}
-BEYOND_LLAMA_ONLY = {"tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"}
+# The first stage that runs each checkpoint; only the stages before it may skip it (what they document they lack).
+FIRST_STAGE = {
+    "smollm2-135m-instruct": 1, "tiny-llama": 1,
+    "tiny-llama3": 3, "tiny-qwen2": 3, "tiny-qwen3": 3, "tiny-mistral": 3,  # rope scaling, model families
+    "tiny-qwen3-moe": 9, "tiny-mixtral": 9,  # mixture of experts
+}
+
+
+def stage_number(stage_name: str) -> int:
+    return int(re.match(r"stage(\d+)_", stage_name).group(1))
+
+
+def may_skip(stage_name: str, model: str) -> bool:
+    return stage_number(stage_name) < FIRST_STAGE[model]
 
 
 def load_llm(stage_name: str, model: str):
@@ -25,7 +38,7 @@ def load_llm(stage_name: str, model: str):
     try:
         return stage.LLM(str(resolve_model(model)), device="cpu", dtype="float32")
     except stage.UnsupportedModelError as exc:
-        if stage_name in LLAMA_ONLY_STAGES and model in BEYOND_LLAMA_ONLY:
+        if may_skip(stage_name, model):
             pytest.skip(f"{stage_name} does not support {model}: {exc}")
         raise
 
@@ -45,10 +58,15 @@ def test_golden_greedy(stage_name: str, model: str):
     assert not problems, f"{stage_name} on {model}:\n" + "\n".join(problems)
 
 
-def test_llama_only_stages_still_refuse_what_they_document():
-    """The skips above stay honest: stages 1 and 2 really refuse those checkpoints (and only with that error)."""
-    for stage_name in sorted(LLAMA_ONLY_STAGES & set(STAGES)):
+def test_every_golden_checkpoint_has_a_first_stage():
+    assert set(FIRST_STAGE) == set(GOLDEN_MODELS)
+
+
+@pytest.mark.parametrize("model", [m for m in GOLDEN_MODELS if any(may_skip(s, m) for s in STAGES)])
+def test_stages_before_a_checkpoints_first_stage_still_refuse_it(model: str):
+    """The skips above stay honest: every stage allowed to skip a checkpoint really refuses it (and only with
+    that error), at load, before generating anything."""
+    for stage_name in [s for s in STAGES if may_skip(s, model)]:
         stage = importlib.import_module(stage_name)
-        for model in sorted(BEYOND_LLAMA_ONLY):
-            with pytest.raises(stage.UnsupportedModelError):
-                stage.LLM(str(resolve_model(model)), device="cpu", dtype="float32")
+        with pytest.raises(stage.UnsupportedModelError):
+            stage.LLM(str(resolve_model(model)), device="cpu", dtype="float32")
