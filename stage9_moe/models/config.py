@@ -180,7 +180,8 @@ def parse_moe(hf: dict) -> dict:
     top_k = hf.get("num_experts_per_tok")
     if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ValueError(f"num_experts_per_tok must be an int in [1, {num_experts}], got {top_k!r}")
-    step = hf.get("decoder_sparse_step") or 1
+    step = hf.get("decoder_sparse_step", 1)
+    step = 1 if step is None else step
     if not isinstance(step, int) or step < 1:
         raise ValueError(f"decoder_sparse_step must be an int >= 1, got {step!r}")
     dense = tuple(hf.get("mlp_only_layers") or ())
