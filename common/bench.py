@@ -7,6 +7,7 @@
     python -m common.bench radix  [--model M] [--workloads shared multiturn random]  stage 6 prefix cache (bench_radix.py)
     python -m common.bench tp     [--model qwen3-32b-2l] [--tp 1 2 4] [--plan]  stage 7 tensor parallelism (bench_tp.py)
     python -m common.bench serving [--model M] [--request-rates 1 4 inf]  stage 8 server vs transformers serve
+    python -m common.bench moe    [--device cpu|cuda] [--repeats 5]        stage 9 MoE layer paths; dense vs MoE LLM
 
 Every workload is greedy with ignore_eos (HF: min_new_tokens = max_new_tokens), so every system generates exactly
 the same number of tokens and tokens/s compares like with like.
@@ -283,11 +284,13 @@ def main(argv: list[str] | None = None) -> None:
     overlap.add_argument("--num-requests", type=int, default=32)
     overlap.add_argument("--max-new-tokens", type=int, default=64)
     overlap.add_argument("--repeats", type=int, default=3)
-    from common import bench_radix, bench_serving, bench_tp  # later stages' benchmarks live in their own modules
+    # later stages' benchmarks live in their own modules
+    from common import bench_moe, bench_radix, bench_serving, bench_tp
 
     bench_radix.add_parser(sub)
     bench_tp.add_parser(sub)
     bench_serving.add_parser(sub)
+    bench_moe.add_parser(sub)
     args = parser.parse_args(argv)
     commands = {"batch": bench_batch, "load": bench_load, "offline": bench_offline, "overlap": bench_overlap}
     (commands.get(args.cmd) or args.func)(args)

@@ -12,9 +12,10 @@
 and computes the experts one of two ways:
 
 - reference (`reference_experts`): a loop over the experts; each gathers its tokens, runs SwiGLU, scatter-adds
-  its weighted output. Plain torch, obviously right, and what transformers does. But it asks the host which
-  experts got which tokens (data-dependent shapes), so it cannot be captured in a CUDA graph, and it launches
-  about 6 kernels per active expert: 128 experts make 700 launches per layer.
+  its weighted output. Plain torch, obviously right, and what transformers' eager path does. But it asks the host
+  which experts got which tokens (data-dependent shapes), so it cannot be captured in a CUDA graph, and it launches
+  about ten small kernels per active expert: a prefill that reaches all 128 experts of Qwen3-30B-A3B launches over
+  a thousand per layer.
 - fused (`fused_experts`): the token slots are sorted by expert and padded to the GEMM's block size
   (`moe_align_block_size`), then ONE grouped GEMM computes gate and up for every expert with SiLU-and-mul in its
   epilogue, and ONE more computes down with the routing weight applied: 2 GEMM launches per layer whatever E is,

@@ -366,3 +366,16 @@ def test_cuda_fused_model_with_graphs_gives_the_golden_tokens(name):
 def test_cuda_reference_path_refuses_graph_capture():
     with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
         LLM(str(resolve_model("tiny-qwen3-moe")), device="cuda", verbose=False, moe_runner_backend="torch")
+
+
+def test_gpu_benchmark_rehearses_on_a_cpu(tmp_path):
+    """common/bench_gpu_moe.py --smoke: every step of the GPU script, on a CPU (the Triton path in the interpreter,
+    the cuda tests collected and skipped)."""
+    from common.bench_gpu_moe import main
+
+    report = main(["--smoke", "--out", str(tmp_path)])
+    rows = {r["path"]: r for r in report["layers"][0]["rows"]}
+    assert rows["fused, Triton"]["max_abs_diff"] < 1e-5 and rows["fused, torch"]["max_abs_diff"] < 1e-5
+    assert [m["model"] for m in report["models"]] == ["dense Qwen3", "Qwen3-MoE, moe_runner_backend=torch"]
+    assert report["tests"]["exit_code"] == 0 and "skipped" in report["tests"]["summary"]
+    assert (tmp_path / "stage9_gpu.md").read_text().count("|") > 20 and (tmp_path / "stage9_pytest_cuda.txt").exists()
