@@ -331,6 +331,27 @@ def test_moe_runner_backend_triton_alone_gives_the_golden_tokens():
     assert out.token_ids == case["output_ids"]
 
 
+def test_fused_path_is_graph_safe_and_the_reference_is_not(monkeypatch):
+    """Under the CPU graph emulator (common/graph_emulator.py), decode graphs capture the fused MoE path (no host
+    sync: the grid is sized from an upper bound) and replay it to the golden tokens; the reference path's
+    host-side routing is refused at capture, as a GPU would."""
+    from common import graph_emulator
+    from stage9_moe import graph as graph_module
+
+    monkeypatch.setattr(graph_module, "cuda", graph_emulator)
+    golden = load_golden("tiny-qwen3-moe")
+    cases, n = golden["cases"][:3], 6
+    llm = LLM(str(resolve_model("tiny-qwen3-moe")), verbose=False, max_total_tokens=512, cuda_graph_max_bs=4,
+              moe_runner_backend="triton")
+    results = llm.generate([c["prompt"] for c in cases], SamplingParams(max_new_tokens=n))
+    assert llm.engine.num_graph_replays > 0
+    llm.close()
+    assert [r.token_ids for r in results] == [c["output_ids"][:n] for c in cases]
+    with pytest.raises(graph_emulator.GraphCaptureError, match="needs the data on the host"):
+        LLM(str(resolve_model("tiny-qwen3-moe")), verbose=False, max_total_tokens=512, cuda_graph_max_bs=4,
+            moe_runner_backend="torch")
+
+
 def test_bad_moe_runner_backend_is_refused():
     with pytest.raises(ValueError, match="unknown moe_runner_backend 'fast'"):
         LLM(str(resolve_model("tiny-qwen3-moe")), verbose=False, max_total_tokens=256, moe_runner_backend="fast")
