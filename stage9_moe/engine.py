@@ -27,6 +27,7 @@ from .core import Batch
 from .graph import GraphRunner, can_capture
 from .kv_cache import PageTable, PagedKVPool
 from .models import ModelConfig, build_model
+from .moe import set_moe_runner_backend
 from .tokenizer import read_eos_token_ids
 from .weights import load_weights
 
@@ -183,7 +184,8 @@ class Engine:
         self.eos_token_ids = set(eos_token_ids) if eos_token_ids else read_eos_token_ids(model_path, hf_config)
         self.attn_backend = create_backend(attention_backend, self.device)
 
-        self.model = build_model(config, self.device, dtype, moe_runner_backend)  # empty, in its dtype and device
+        self.model = build_model(config, self.device, dtype)  # empty, already in its dtype and on its device
+        set_moe_runner_backend(self.model, moe_runner_backend)  # MoE layers: fused kernels or the reference loop
         self.config = cfg = self.model.config  # the family's view (e.g. Qwen2 adds qkv_bias)
         self.load_stats = load_weights(self.model, model_path, progress=progress)
 

@@ -13,7 +13,6 @@ import contextlib
 import torch
 from torch import nn
 
-from ..moe import set_moe_runner_backend
 from .config import ModelConfig, RopeScaling, UnsupportedModelError
 from .llama import LlamaForCausalLM
 from .mistral import MistralForCausalLM
@@ -52,14 +51,11 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype,
-                moe_runner_backend: str = "auto") -> nn.Module:
+def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
     """An empty model, allocated directly on `device` in `dtype`: no float32 copy first, no random init (the
     loader fills every parameter). Stage 2 built in float32 on the CPU and then cast: 2x the memory for bfloat16,
-    and a host-RAM copy of the whole model before a GPU ever saw it. moe_runner_backend: the path of the MoE
-    layers, "auto" | "triton" (fused) | "torch" (reference); see moe.py."""
+    and a host-RAM copy of the whole model before a GPU ever saw it."""
     model_cls = get_model_class(cfg.architecture)
     with torch.device(device), default_dtype(dtype):
         model = model_cls(cfg)
-    set_moe_runner_backend(model, moe_runner_backend)
     return model.eval()
