@@ -164,7 +164,8 @@ class FusedMoE(nn.Module):
              (None, "w13") gate_up [E, 2I, H] (gate rows, then up)     (None, "w2") down [E, H, I]   all experts
         Rows (w1, w3) or columns (w2) [rank * I/tp, (rank + 1) * I/tp) of the intermediate dim are kept."""
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and shard_id[1] in ("w1", "w2", "w3", "w13")):
-            raise ValueError(f"expert shard_id must be (expert_id or None, 'w1' | 'w2' | 'w3' | 'w13'), got {shard_id!r}")
+            raise ValueError(f"expert shard_id must be (expert_id or None, 'w1' | 'w2' | 'w3' | 'w13'), "
+                             f"got {shard_id!r}")
         expert_id, part = shard_id
         E, H, I, Ip = self.num_experts, self.hidden_size, self.intermediate_size, self.intermediate_size_per_partition
         if expert_id is not None and not 0 <= expert_id < E:
@@ -172,7 +173,8 @@ class FusedMoE(nn.Module):
         stack = () if expert_id is not None else (E,)
         want = {"w1": (I, H), "w3": (I, H), "w13": (2 * I, H), "w2": (H, I)}[part]
         if tuple(loaded.shape) != stack + want:
-            raise ValueError(f"checkpoint shape {tuple(loaded.shape)} != {stack + want} expected for shard {shard_id!r}")
+            raise ValueError(f"checkpoint shape {tuple(loaded.shape)} != {stack + want} expected for shard "
+                             f"{shard_id!r}")
         dst = param.data if expert_id is None else param.data[expert_id]
         start = self.tp_rank * Ip
         if part == "w2":  # down: the columns of this rank's slice

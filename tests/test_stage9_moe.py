@@ -17,7 +17,7 @@ from stage9_moe import LLM, CheckpointError, SamplingParams, UnsupportedModelErr
 from stage9_moe.attention import ForwardBatch
 from stage9_moe.engine import Engine
 from stage9_moe.models import MODEL_REGISTRY, ModelConfig
-from stage9_moe.moe import FusedMoE, TopK, TopKOutput, reference_experts
+from stage9_moe.moe import FusedMoE, TopK, reference_experts
 
 MOE = ["tiny-qwen3-moe", "tiny-mixtral"]
 PROMPT = [1, 450, 3411, 8, 17, 30000, 42, 9, 256, 1024, 77, 5, 600, 7000, 12, 3]

@@ -109,7 +109,8 @@ def _launch(a, b, c, topk_weights, sorted_token_ids, expert_ids, num_tokens_post
     upcast, precision = dot_flags(a.dtype)
     grid = (expert_ids.numel(), triton.cdiv(N, config["BLOCK_N"]))
     _fused_moe_kernel[grid](
-        a, b, c, c if topk_weights is None else topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, N, K, num_slots,
+        a, b, c, c if topk_weights is None else topk_weights,  # gate_up: any pointer, MUL_ROUTED_WEIGHT is off
+        sorted_token_ids, expert_ids, num_tokens_post_padded, N, K, num_slots,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         A_ROW_DIV=a_row_div, GATE_UP=gate_up, MUL_ROUTED_WEIGHT=topk_weights is not None,
         BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], UPCAST=upcast,

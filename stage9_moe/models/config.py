@@ -1,9 +1,10 @@
 """The engine's own model config, read from a Hugging Face `config.json`.
 
 One dataclass describes every family this stage runs (Llama, Qwen2, Qwen3, Mistral, and the mixture-of-experts
-families Qwen3-MoE and Mixtral): they share one decoder and differ only in a few flags. Reading config.json is where checkpoints silently go wrong, so `from_hf` refuses
-(UnsupportedModelError, naming the key) anything it would otherwise ignore and get wrong: an unknown RoPE scaling,
-a partial rotary, an activation other than SiLU.
+families Qwen3-MoE and Mixtral): they share one decoder and differ only in a few flags. Reading config.json is
+where checkpoints silently go wrong, so `from_hf` refuses (UnsupportedModelError, naming the key) anything it would
+otherwise ignore and get wrong: an unknown RoPE scaling, a partial rotary, an activation other than SiLU, a MoE
+feature this stage does not implement.
 
 Two spellings of the RoPE settings exist in the wild, and both are read:
 
