@@ -158,23 +158,28 @@ class FusedMoE(nn.Module):
             raise ValueError(f"unknown moe_runner_backend {name!r}; choose one of {', '.join(MOE_RUNNER_BACKENDS)}")
         self._runner_backend = name
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple) -> None:
-        """Copy this rank's slice of a checkpoint tensor. shard_id = (expert_id, part):
+    def checkpoint_shape(self, shard_id: tuple) -> tuple[int, ...]:
+        """The full (unsliced) shape of the checkpoint tensor that fills shard_id = (expert_id, part):
              (e, "w1") gate_proj [I, H]    (e, "w3") up_proj [I, H]    (e, "w2") down_proj [H, I]   one expert
-             (None, "w13") gate_up [E, 2I, H] (gate rows, then up)     (None, "w2") down [E, H, I]   all experts
-        Rows (w1, w3) or columns (w2) [rank * I/tp, (rank + 1) * I/tp) of the intermediate dim are kept."""
+             (None, "w13") gate_up [E, 2I, H] (gate rows, then up)     (None, "w2") down [E, H, I]   all experts"""
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and shard_id[1] in ("w1", "w2", "w3", "w13")):
             raise ValueError(f"expert shard_id must be (expert_id or None, 'w1' | 'w2' | 'w3' | 'w13'), "
                              f"got {shard_id!r}")
         expert_id, part = shard_id
-        E, H, I, Ip = self.num_experts, self.hidden_size, self.intermediate_size, self.intermediate_size_per_partition
+        E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
         if expert_id is not None and not 0 <= expert_id < E:
             raise ValueError(f"expert {expert_id} does not exist: this layer has {E} experts")
         stack = () if expert_id is not None else (E,)
-        want = {"w1": (I, H), "w3": (I, H), "w13": (2 * I, H), "w2": (H, I)}[part]
-        if tuple(loaded.shape) != stack + want:
-            raise ValueError(f"checkpoint shape {tuple(loaded.shape)} != {stack + want} expected for shard "
-                             f"{shard_id!r}")
+        return stack + {"w1": (I, H), "w3": (I, H), "w13": (2 * I, H), "w2": (H, I)}[part]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple) -> None:
+        """Copy this rank's slice of a checkpoint tensor (shard ids: checkpoint_shape): rows (w1, w3) or columns
+        (w2) [rank * I/tp, (rank + 1) * I/tp) of each expert's intermediate dim."""
+        want = self.checkpoint_shape(shard_id)
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"checkpoint shape {tuple(loaded.shape)} != {want} expected for shard {shard_id!r}")
+        expert_id, part = shard_id
+        I, Ip = self.intermediate_size, self.intermediate_size_per_partition
         dst = param.data if expert_id is None else param.data[expert_id]
         start = self.tp_rank * Ip
         if part == "w2":  # down: the columns of this rank's slice

@@ -293,6 +293,8 @@ def test_tp_sizes_that_do_not_divide_the_experts_are_refused():
         layer.weight_loader(layer.w13_weight, torch.zeros(48, 16), (4, "w1"))
     with pytest.raises(ValueError, match="expert shard_id must be"):
         layer.weight_loader(layer.w13_weight, torch.zeros(48, 16), "w1")
+    assert layer.checkpoint_shape((3, "w2")) == (16, 48) and layer.checkpoint_shape((None, "w13")) == (4, 96, 16)
+    assert FusedMoE(4, 2, 16, 48, tp_rank=1, tp_size=2).checkpoint_shape((0, "w1")) == (48, 16)  # full, unsliced
 
 
 # ----------------------------------------------------------------------------- the path, in the model
