@@ -1,0 +1,126 @@
+"""The CUDA-graph runner: record a decode step once per batch-size bucket, then replay it with one launch.
+
+Why: a decode step of a small model is hundreds of tiny kernels (per layer: norms, 4 matmuls, RoPE, the KV store,
+attention, the MLP). Each launch costs the CPU a few microseconds, so at batch 1 the GPU finishes each kernel before
+the CPU has launched the next: the step is bound by Python + launch overhead, not by the GPU. A CUDA graph records
+the whole sequence of kernels once (with their pointer arguments) and `replay()` launches all of it in one call.
+
+The price: a graph replays *exactly* what was recorded, so
+- every tensor it reads or writes must live at a fixed address: static buffers, filled with `copy_` before replay;
+- every shape is fixed: one graph per batch size. Real batches are padded up to the next bucket
+  (1, 2, 4, 8, then steps of 8) and the padded rows' logits are dropped;
+- nothing may depend on host-side values of the data: no `.item()`, no shapes computed from `seq_lens` on the host.
+  The triton and flash_attn backends read `seq_lens` on the device already. The torch backend sizes its gather by
+  `max_seq_len`, so under capture we give it the largest context the page table can describe (correct, slower);
+- padded rows still run: each writes its K/V to a reserved dummy slot (a page no request ever owns), with
+  seq_len 1, page-table row 0 (only read, and the result is dropped), token 0 at position 0.
+
+All graphs share one memory pool (`pool=`): they never run at the same time, so the big bucket's intermediate
+buffers are reused by the smaller ones (captured largest first, as SGLang does).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import ForwardBatch
+
+# The CUDA API this file uses. CPU tests swap in common/graph_emulator.py, which records and replays ops the way a
+# graph does, so the buffers, padding and replay below run (and are checked for graph safety) without a GPU.
+cuda = torch.cuda
+
+
+def can_capture(device: torch.device) -> bool:
+    return device.type == "cuda" or getattr(cuda, "EMULATED", False)
+
+
+def bucket_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, ... up to max_bs (max_bs itself always included)."""
+    if max_bs < 1:
+        raise ValueError(f"the largest CUDA-graph batch size must be >= 1, got {max_bs}")
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 8))
+    return sizes if sizes[-1] == max_bs else sizes + [max_bs]
+
+
+def pick_bucket(buckets: list[int], batch_size: int) -> int:
+    """The smallest bucket that holds the batch."""
+    for b in buckets:
+        if b >= batch_size:
+            return b
+    raise ValueError(f"batch of {batch_size} exceeds the largest bucket {buckets[-1]}")
+
+
+class GraphRunner:
+    def __init__(self, engine, max_bs: int):
+        self.engine, self.buckets = engine, bucket_sizes(max_bs)
+        self.max_bs, dev = self.buckets[-1], engine.device
+        self.dummy_slot = engine.dummy_slot  # a KV slot of the reserved page: padded rows write here
+        # Static inputs, [max_bs] each; a bucket of size bs uses the first bs entries (views keep the address).
+        self.input_ids = torch.zeros(self.max_bs, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(self.max_bs, dtype=torch.long, device=dev)
+        self.out_cache_loc = torch.full((self.max_bs,), self.dummy_slot, dtype=torch.long, device=dev)
+        self.req_rows = torch.zeros(self.max_bs, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
+        self.prefix_lens = torch.zeros(self.max_bs, dtype=torch.int32, device=dev)  # decode: unused
+        self.cu_seqlens = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)  # one token per row
+        self.last_token_indices = torch.arange(self.max_bs, dtype=torch.long, device=dev)
+        # The torch backend gathers max_seq_len keys: capture with the most the page table can hold.
+        self.max_seq_len = engine.page_table.table.shape[1] * engine.kv_pool.page_size
+        self.graphs: dict[int, cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # bs -> static logits [bs, vocab] the graph writes
+        self.pool = None
+        self.capture()
+
+    def forward_batch(self, bs: int) -> ForwardBatch:
+        """The static ForwardBatch of bucket bs: views of the buffers above, the engine's pool and page table."""
+        e = self.engine
+        return ForwardBatch(
+            phase="decode", input_ids=self.input_ids[:bs], positions=self.positions[:bs],
+            out_cache_loc=self.out_cache_loc[:bs], req_rows=self.req_rows[:bs], prefix_lens=self.prefix_lens[:bs],
+            seq_lens=self.seq_lens[:bs], cu_seqlens=self.cu_seqlens[: bs + 1], max_seqlen=1,
+            max_seq_len=self.max_seq_len, prefix_lens_cpu=[], seq_lens_cpu=[],
+            last_token_indices=self.last_token_indices[:bs], kv_pool=e.kv_pool, page_table=e.page_table.table,
+            attn_backend=e.attn_backend)
+
+    def _run_model(self, bs: int) -> torch.Tensor:
+        return self.engine.model(self.input_ids[:bs], self.positions[:bs], self.forward_batch(bs))  # [bs, vocab]
+
+    def capture(self) -> None:
+        # Warm up outside capture on a side stream: cuBLAS handles, Triton compilation and autotuning must not
+        # happen while recording (torch's documented recipe). The buffers hold padding: writes go to the dummy slot.
+        side = cuda.Stream(self.engine.device)
+        side.wait_stream(cuda.current_stream(self.engine.device))
+        with cuda.stream(side):
+            for bs in self.buckets:
+                self._run_model(bs)
+        cuda.current_stream(self.engine.device).wait_stream(side)
+        cuda.synchronize(self.engine.device)
+        for bs in reversed(self.buckets):  # largest first: the smaller graphs fit in its memory
+            graph = cuda.CUDAGraph()
+            with cuda.graph(graph, pool=self.pool):
+                out = self._run_model(bs)  # recorded, not run
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bs], self.outputs[bs] = graph, out
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return fb.phase == "decode" and fb.batch_size <= self.max_bs
+
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        """Copy a real decode batch into the static buffers, pad to the bucket, replay -> logits [B, vocab]."""
+        B = fb.batch_size
+        bs = pick_bucket(self.buckets, B)
+        self.input_ids[:B].copy_(fb.input_ids)  # device-to-device copies: no host sync
+        self.positions[:B].copy_(fb.positions)
+        self.out_cache_loc[:B].copy_(fb.out_cache_loc)
+        self.req_rows[:B].copy_(fb.req_rows)
+        self.seq_lens[:B].copy_(fb.seq_lens)
+        if bs > B:  # padded rows: token 0 at position 0, row 0, one key, K/V into the dummy slot
+            self.input_ids[B:bs].zero_()
+            self.positions[B:bs].zero_()
+            self.out_cache_loc[B:bs].fill_(self.dummy_slot)
+            self.req_rows[B:bs].zero_()
+            self.seq_lens[B:bs].fill_(1)
+        self.graphs[bs].replay()
+        # A view of the static output: valid until the next replay, which the caller's stream orders after its use.
+        return self.outputs[bs][:B]

@@ -1,0 +1,332 @@
+"""The offline API every stage shares, now built on the scheduler's add_request / step loop.
+
+    llm.generate(prompts, params)        -> one GenerateResult per prompt (runs the loop until all are done)
+    llm.stream(prompts, params)          -> yields StreamChunk text deltas as tokens are produced
+    llm.add_request(...) / llm.step()    -> the loop itself, for requests that arrive while others run
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import weakref
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterator, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from .core import Req, SamplingParams
+from .distributed import SINGLE, TPError, broadcast_object, describe, free_port
+from .engine import check_device
+from .models import ModelConfig, check_tp_size
+from .scheduler import StepOutput
+from .tokenizer import Messages, TokenizerConfig
+from . import tp_worker
+from .tp_worker import (Command, RankSpec, abandon_ranks, build_rank, rank_report, shutdown_ranks,
+                        start_ranks)
+
+Prompt = Union[str, list[int]]
+
+
+@dataclass
+class GenerateResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # the generated ids only
+    text: str
+    finish_reason: str  # "stop", "length", "abort", or "error" (then `error` says why; nothing was generated)
+    error: str | None = None
+    matched_stop: int | str | None = None  # the stop token id or stop string that ended it
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (their K/V were not computed again)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """A local Hugging Face folder is used as is; a short name ("smollm2-135m-instruct") is fetched once into a
+    cache by the course's support code, the one place a stage calls into `common/`."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model folder {path} has no config.json: not a Hugging Face checkpoint")
+        return path
+    if path.exists() or "/" in str(model) or "\\" in str(model):
+        raise ValueError(f"model path {model!r} does not exist or is not a folder")
+    try:
+        from common.models import resolve_model
+    except ImportError as exc:  # the stage was copied out of the course repo
+        raise ValueError(f"unknown model {model!r}: pass a local Hugging Face folder") from exc
+    return resolve_model(model)
+
+
+@dataclass
+class StreamChunk:
+    index: int  # which prompt of the call
+    text: str  # new text since the last chunk of this prompt (never a broken UTF-8 character)
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    error: str | None = None
+    req: Req | None = None  # the request itself, for its final state
+
+
+class LLM:
+    def __init__(self, model: str | Path = "smollm2-135m-instruct", device: str = "cpu",
+                 dtype: str | torch.dtype = "float32", attention_backend: str | None = None,
+                 page_size: int = 16, max_running_requests: int = 128, max_total_tokens: int | None = None,
+                 mem_fraction_static: float | None = None, max_prefill_tokens: int = 16384,
+                 chunked_prefill_size: int = 512, schedule_conservativeness: float = 1.0, log_interval: int = 0,
+                 record_stats: bool = False, tokenizer_config: TokenizerConfig | None = None,
+                 progress: bool | None = None, verbose: bool = True, disable_cuda_graph: bool = False,
+                 cuda_graph_max_bs: int = 64, disable_overlap: bool = False, disable_radix_cache: bool = False,
+                 schedule_policy: str = "lpm", tp_size: int = 1, nnodes: int = 1, dist_init_addr: str | None = None,
+                 load_format: str = "auto"):
+        """dtype: float32, bfloat16, float16 or "auto" (the checkpoint's). max_total_tokens / mem_fraction_static:
+        the KV pool's size (engine.plan_kv_pool). max_prefill_tokens, chunked_prefill_size, schedule_conservativeness:
+        admission (scheduler/prefill.py). progress: a loading progress bar (None: when stderr is a terminal).
+        verbose: print one line on load with the memory report and the KV pool's size. disable_radix_cache: no
+        prefix cache (stage 5's engine). schedule_policy: "lpm" (longest cached prefix first) or "fcfs".
+
+        Stage 7: tp_size > 1 splits the model over that many ranks: this process is rank 0, the others are spawned
+        (a script doing this must create the LLM under `if __name__ == "__main__":`, as with any spawned process).
+        With nnodes > 1 this process and tp_size / nnodes ranks run on this machine (node 0); each other node runs
+        `python -m stage7_tp --node-rank N` with the same flags. dist_init_addr ("host:port", where rank 0 listens)
+        is needed then; on one node a free local port is picked. load_format "dummy": random weights.
+
+        With overlap on, the LLM owns a device-worker thread: `close()` (or `with LLM(...) as llm:`) stops it, and
+        the other ranks; an LLM that is garbage-collected, or still open when the interpreter exits, is closed then."""
+        self.model_path = resolve_model_path(model)
+        if nnodes > 1 and dist_init_addr is None:
+            raise ValueError("nnodes > 1 needs dist_init_addr (host:port of rank 0, reachable from every node)")
+        spec = rank_spec(self.model_path, tokenizer_config, tp_size, nnodes, dict(
+            device=device, dtype=dtype, attention_backend=attention_backend, page_size=page_size,
+            max_running_requests=max_running_requests, max_total_tokens=max_total_tokens,
+            mem_fraction_static=mem_fraction_static, progress=progress, disable_cuda_graph=disable_cuda_graph,
+            cuda_graph_max_bs=cuda_graph_max_bs, load_format=load_format, max_prefill_tokens=max_prefill_tokens,
+            chunked_prefill_size=chunked_prefill_size, schedule_conservativeness=schedule_conservativeness,
+            log_interval=log_interval, record_stats=record_stats, disable_overlap=disable_overlap,
+            disable_radix_cache=disable_radix_cache, schedule_policy=schedule_policy))
+        self.tp_size, self._control, self._ranks, tp = tp_size, None, None, SINGLE
+        if tp_size > 1:
+            config = ModelConfig.from_hf(json.loads((self.model_path / "config.json").read_text()))
+            check_tp_size(config, tp_size)  # before any rank is started
+            if device != "cpu":
+                check_device(spec.device_for(spec.ranks_per_node - 1))  # every rank of this node needs its GPU
+            tp, self._control, self._ranks = start_ranks(spec, dist_init_addr or f"127.0.0.1:{free_port()}")
+        self._pending = Command()  # what the other ranks must be told at the next step
+        try:
+            self.tokenizer, self.engine, self.scheduler = self._collective(
+                lambda: build_rank(spec, 0, tp, self._control, verbose))
+        except BaseException:
+            abandon_ranks(self._ranks)  # they may be waiting for rank 0 in any collective: stop them
+            raise
+        # Runs once: at close(), when the LLM is garbage-collected, or at interpreter exit (weakref.finalize).
+        self._closer = weakref.finalize(self, shutdown_ranks, self.scheduler, self._control, self._ranks)
+        self._next_rid = 0
+
+    def _collective(self, fn):
+        """Run fn (which meets the other ranks); if a rank failed, say which, with its traceback."""
+        try:
+            return fn()
+        except Exception as exc:
+            if self._ranks is None and self._control is None:
+                raise
+            failures = self._ranks.failures() if self._ranks else []
+            raise TPError(describe(failures, exc)) from exc
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt token list is empty: nothing to continue from")
+        vocab = self.engine.config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}")
+        return self.tokenizer.truncate(ids)
+
+    def apply_chat_template(self, messages: Messages) -> list[int]:
+        """A user message (str) or a list of {"role", "content"} messages -> prompt token ids."""
+        return self.tokenizer.apply_chat_template(messages)
+
+    # ---------------------------------------------------------------- the loop, exposed
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, priority: int = 0) -> int:
+        """Queue one request; returns its id. A bad request raises ValueError and leaves the engine untouched."""
+        return self._add(prompt, sampling_params, priority).rid
+
+    def _add(self, prompt: Prompt, sampling_params: SamplingParams | None, priority: int) -> Req:
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        req = Req(self._next_rid, self.encode(prompt), params, priority=priority)
+        self.add_req(req)
+        self._next_rid += 1
+        return req
+
+    def add_req(self, req: Req) -> None:
+        """Queue a request its caller built (stage 8's server picks its own rids and sets Req fields such as
+        return_logprob). A bad request raises ValueError and leaves the engine untouched."""
+        params = req.sampling_params
+        if self.tp_size > 1 and params.seed is None and not params.is_greedy:
+            req.sampling_params = replace(params, seed=random.getrandbits(63))  # every rank must draw the same token
+        self.scheduler.add_request(req)
+        if self.tp_size > 1:
+            self._pending.adds.append(copy.deepcopy(req))  # as it is now: the other ranks add it at the next step
+
+    def step(self) -> list[StepOutput]:
+        """One forward pass of the engine; what each touched request produced. With tensor parallelism, first
+        tell the other ranks what changed, then step together."""
+        if self.closed:
+            raise RuntimeError("this LLM was closed (close() or the end of its `with` block): it cannot step")
+        if self._control is not None:
+            cmd, self._pending = self._pending, Command()
+            self._collective(lambda: broadcast_object(cmd, self._control))
+        return self._collective(self.scheduler.step)
+
+    def abort_request(self, rid: int) -> None:
+        """Stop a request now: it finishes with reason "abort" and gives its pages back."""
+        self.scheduler.abort(rid)
+        self._pending.aborts.append(rid)
+
+    def flush_cache(self) -> None:
+        """Empty the prefix cache of everything no running request uses (on every rank)."""
+        self.scheduler.flush_cache()
+        self._pending.flush_cache = True
+
+    def rank_reports(self) -> list[dict]:
+        """Every rank's memory (weights, replicated part, KV pool), rank 0 first."""
+        if self._control is None:
+            return [rank_report(self.engine)]
+        reports: list = [None] * self.tp_size
+
+        def gather():
+            broadcast_object(Command(report=True), self._control)
+            dist.gather_object(rank_report(self.engine), reports, dst=0, group=self._control)
+        self._collective(gather)
+        return reports
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def close(self) -> None:
+        """Read back the step in flight, stop the device-worker thread and the other ranks. The LLM cannot step
+        afterwards."""
+        self._closer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._closer.alive
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- offline conveniences
+    def stream(self, prompts: Prompt | Sequence[Prompt],
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+               priorities: Sequence[int] | None = None) -> Iterator[StreamChunk]:
+        """Yield text deltas as they are produced. A bad request yields one chunk with reason "error".
+        A consumer that stops early (break, or close() on the generator) aborts the requests still running, so
+        their pages go back to the pool instead of decoding for nobody."""
+        prompts = _as_prompt_list(prompts)
+        params_list = _one_params_per_prompt(sampling_params, len(prompts))
+        index_of: dict[int, int] = {}
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                try:
+                    req = self._add(prompt, params, priorities[i] if priorities else 0)
+                except ValueError as exc:
+                    yield StreamChunk(i, "", [], True, "error", error=f"prompt {i}: {exc}")
+                    continue
+                index_of[req.rid] = i
+            while index_of:
+                for out in self.step():
+                    i = index_of.get(out.rid)
+                    if i is not None:
+                        if out.finished:
+                            del index_of[out.rid]
+                        yield StreamChunk(i, out.text_delta, out.new_token_ids, out.finished, out.finish_reason,
+                                          req=out.req)
+        finally:  # normal end: nothing left; GeneratorExit or an error: abort what this call started
+            for rid in index_of:
+                self.abort_request(rid)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priorities: Sequence[int] | None = None) -> list[GenerateResult]:
+        """Generate for all prompts with continuous batching. A bad prompt or bad SamplingParams fails alone:
+        its result carries `error`, the others still run."""
+        prompts = _as_prompt_list(prompts)
+        texts = [""] * len(prompts)
+        results: list[GenerateResult | None] = [None] * len(prompts)
+        for chunk in self.stream(prompts, sampling_params, priorities):
+            texts[chunk.index] += chunk.text
+            if chunk.error:
+                results[chunk.index] = GenerateResult([], [], "", "error", error=chunk.error)
+            elif chunk.finished:
+                req = chunk.req
+                results[chunk.index] = GenerateResult(req.input_ids, req.output_ids, texts[chunk.index],
+                                                      req.finish_reason, matched_stop=req.matched_stop,
+                                                      cached_tokens=req.cached_tokens)
+        return results
+
+
+ENGINE_OPTIONS = ("device", "dtype", "attention_backend", "page_size", "max_running_requests", "max_total_tokens",
+                  "mem_fraction_static", "progress", "cuda_graph_max_bs", "load_format")
+SCHEDULER_OPTIONS = ("max_prefill_tokens", "chunked_prefill_size", "schedule_conservativeness", "log_interval",
+                     "record_stats", "disable_radix_cache", "schedule_policy")
+
+
+def rank_spec(model_path: Path, tokenizer_config, tp_size: int, nnodes: int, options: dict) -> RankSpec:
+    """The LLM's options, split into what each rank's Engine and Scheduler take."""
+    if tp_size < 1 or nnodes < 1 or tp_size % nnodes:
+        raise ValueError(f"tp_size ({tp_size}) must be a positive multiple of nnodes ({nnodes})")
+    engine = {k: options[k] for k in ENGINE_OPTIONS}
+    engine["cuda_graph"] = not options["disable_cuda_graph"]
+    scheduler = {k: options[k] for k in SCHEDULER_OPTIONS}
+    scheduler["overlap"] = not options["disable_overlap"]
+    return RankSpec(model_path, tokenizer_config, engine, scheduler, tp_size, nnodes)
+
+
+def serve_node(model: str | Path, node_rank: int, tp_size: int, nnodes: int, dist_init_addr: str,
+               tokenizer_config: TokenizerConfig | None = None, **options) -> None:
+    """Run node `node_rank` (> 0) of a multi-node tensor-parallel engine: its tp_size / nnodes ranks, until rank 0
+    (the LLM on node 0, with the same options) shuts them down. `python -m stage7_tp --node-rank N` calls this."""
+    if not 0 < node_rank < nnodes:
+        raise ValueError(f"node_rank must be in [1, {nnodes}) here; node 0 runs the LLM itself")
+    spec = rank_spec(resolve_model_path(model), tokenizer_config, tp_size, nnodes, options)
+    tp_worker.serve_node(spec, node_rank, dist_init_addr)
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if len(prompts) == 0:
+        raise ValueError("no prompts given")
+    return list(prompts)
+
+
+def _one_params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params

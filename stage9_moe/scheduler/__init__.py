@@ -1,0 +1,9 @@
+"""The scheduler: waiting queue -> prefill batches (PrefillAdder) -> decode batches (DecodeManager), with KV pages
+handed out by the CacheManager."""
+
+from .cache_manager import CacheManager
+from .decode import DecodeManager
+from .prefill import PrefillAdder
+from .scheduler import Scheduler, StepOutput, StepStats
+
+__all__ = ["CacheManager", "DecodeManager", "PrefillAdder", "Scheduler", "StepOutput", "StepStats"]

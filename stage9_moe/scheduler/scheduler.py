@@ -1,0 +1,415 @@
+"""The scheduler loop: one `step()` = pick a batch, run one forward pass, sample, update every request.
+
+    add_request(req)   -> waiting queue
+    step():
+        prefill batch if any waiting request (or a chunked prompt) fits   (PrefillAdder)
+        else decode batch of every running request, preempting if pages ran out   (DecodeManager)
+        engine.forward(batch) -> logits [B, vocab]
+        sample; append tokens; detokenize; stop checks; finished requests release their pages
+
+Continuous batching is simply this loop: requests join at any step through a prefill, and leave the decode batch
+the step they finish, instead of a batch living and dying together (stage 2).
+
+How much to admit is a bet on the future: a running request may generate up to max_new_tokens more tokens, but
+most stop early. SGLang's `new_token_ratio` is that bet: admission expects each running request to need this share
+of its remaining budget. It starts at `init_new_token_ratio` (0.7 x schedule_conservativeness), falls a little each
+decode step that needed no preemption (down to min_new_token_ratio), and after a preemption is set to what the
+surviving requests really used so far, so admission becomes careful again exactly when it was too bold.
+
+Stage 6, the prefix cache: admission looks each prompt up in the radix tree (PrefillAdder); each prefilled prompt,
+and each chunk of one, goes into the tree at once (CacheManager.cache_unfinished); a request that ends puts the
+rest of its pages there (CacheManager.release). The waiting queue is ordered cache-aware within a priority level
+(`schedule_policy="lpm"`, longest prefix match first: requests that share a cached prefix run while it is cached),
+or first come first served (`"fcfs"`).
+
+Stage 5, overlap scheduling ("zero-overhead" scheduler): each step *launches* batch N and then processes the
+results of batch N-1 while N runs, so the device never waits for the CPU's bookkeeping.
+
+    step():
+        build batch N (host state was advanced when N-1 launched: positions and KV slots are known, the token
+                       N-1 sampled is not -> its input id is a placeholder -(row + 1), resolved on the device from
+                       engine.future_tokens, where N-1's sampler left it)
+        launch N on the device worker
+        process N-1: read its tokens, fill in the placeholders, stop checks, detokenize, free finished requests
+
+A request that N-1 finished (EOS, stop string: unknowable before its token is read) is usually in batch N already:
+its extra token is dropped, and its pages are released only once N completed (no page is reused while a launched
+batch may still write to it). Finishing by max_new_tokens is known at launch, so such a request is not fed again.
+Two cases need the real tokens before building, and drain the pipeline first (process N-1, then build): penalties
+(they read every previous token on the host) and a decode step that must preempt (recompute needs the tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core import Batch, Req, ReqStatus
+from ..detokenizer import IncrementalDetokenizer
+from ..engine import Engine
+from ..radix_cache import RadixCache
+from ..sampler import logprobs_to_host, sample_tensor, token_logprobs
+from .cache_manager import CacheManager
+from .decode import DecodeManager
+from .overlap import DeviceWorker, Pending, StepTiming
+from .prefill import PrefillAdder
+
+logger = logging.getLogger(__name__.split(".")[0])
+
+# SGLang's defaults for the admission estimate (see the module docstring and prefill.py).
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+RETRACT_DECODE_STEPS = 20  # after a preemption, assume each survivor decodes this many more tokens
+SCHEDULE_POLICIES = ("lpm", "fcfs")
+LPM_MAX_QUEUE = 128  # longer waiting queues are ordered FCFS: matching each request every step would cost too much
+
+
+@dataclass
+class StepOutput:
+    """What one request got from one step."""
+
+    rid: int
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    req: Req  # the request itself (read-only for callers)
+    logprob: float | None = None  # stage 8, when req.return_logprob: the token's log-probability
+    top_logprobs: list[tuple[int, float]] | None = None  # and the top_logprobs_num most likely (token id, logprob)
+
+
+@dataclass
+class StepStats:
+    step: int
+    phase: str
+    batch_size: int
+    num_tokens: int
+    num_running: int
+    num_waiting: int
+    used_pages: int
+    num_preempted: int
+    seconds: float
+    cache_hit_rate: float = 0.0  # stage 6: prompt tokens served from the tree / prompt tokens admitted, so far
+    tree_tokens: int = 0  # stage 6: tokens held by the radix tree
+
+
+@dataclass
+class Scheduler:
+    engine: Engine
+    tokenizer: object = None  # for text deltas and stop strings; None: token ids only
+    max_prefill_tokens: int = 16384  # a prefill batch grows past this only with its first request
+    chunked_prefill_size: int = 512  # prefill tokens per batch; the request crossing it is cut (-1: never cut)
+    schedule_conservativeness: float = 1.0  # scales init_new_token_ratio: higher admits fewer requests
+    priority_aging_steps: int = 64  # every this many steps waiting, a request's priority rises by one
+    log_interval: int = 0  # log throughput every N decode steps (0: never)
+    record_stats: bool = False
+    overlap: bool = True  # process step N-1's results while step N runs (False: stage 4's synchronous loop)
+    disable_radix_cache: bool = False  # True: no prefix cache, stage 5's behaviour
+    schedule_policy: str = "lpm"  # waiting-queue order within a priority level: "lpm" (longest prefix match), "fcfs"
+    stream_text: bool = True  # False (stage 8): text comes from the detokenizer process; stop strings still here
+    waiting: list[Req] = field(default_factory=list)
+    stats: list[StepStats] = field(default_factory=list)
+    timings: list[StepTiming] = field(default_factory=list)  # per step, when record_stats
+
+    def __post_init__(self) -> None:
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        tree = None if self.disable_radix_cache else RadixCache(self.engine.kv_pool.page_size)
+        self.cache = CacheManager(self.engine.kv_pool, self.engine.page_table, tree)
+        self.prefill_adder = PrefillAdder(self.cache, self.max_prefill_tokens, self.chunked_prefill_size)
+        if self.schedule_conservativeness < 0:
+            raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
+        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * self.schedule_conservativeness, 1.0)
+        self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
+        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = self.init_new_token_ratio
+        self.decoder = DecodeManager(self.cache)
+        self.chunked: Req | None = None  # the request whose prompt is being prefilled in chunks
+        self.reqs: dict[int, Req] = {}  # every unfinished request by rid
+        self.detok: dict[int, IncrementalDetokenizer] = {}
+        self.generators: dict[int, torch.Generator | None] = {}
+        self.step_count = 0
+        self.total_preemptions = 0
+        self.last_phase = "decode"
+        self._log_tokens, self._log_time = 0, time.perf_counter()
+        self.worker = DeviceWorker(self.engine.device, self.overlap)
+        self.inflight: list[tuple[Batch, list[tuple[Req, int]], Pending]] = []  # launched, results not yet read
+        self.deferred: list[Req] = []  # finished, but still in a launched batch: pages released after it
+        self.ready_outputs: list[StepOutput] = []  # results read early by a drain, returned by this step
+        self.admitted_tokens = self.cached_tokens = 0  # prompt tokens of every admission, and those from the tree
+
+    # ---------------------------------------------------------------- requests in and out
+    def add_request(self, req: Req) -> None:
+        params = req.sampling_params
+        params.validate()
+        self.engine.check_prompt_fits(len(req.input_ids))
+        pool_tokens = self.cache.pool.num_pages * self.cache.page_size
+        if min(req.max_device_len, self.engine.max_context_len) > pool_tokens:
+            raise ValueError(f"request needs up to {req.max_device_len} tokens of KV cache (prompt + "
+                             f"max_new_tokens) but the whole pool holds {pool_tokens}; shorten the prompt or "
+                             "max_new_tokens")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        req.arrival = self.step_count
+        self.reqs[req.rid] = req
+        if self.tokenizer is not None and (self.stream_text or params.stop_strings):
+            self.detok[req.rid] = IncrementalDetokenizer(self.tokenizer, params.stop_strings)
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.engine.device).manual_seed(params.seed)
+        self.generators[req.rid] = gen
+        self.waiting.append(req)
+
+    def abort(self, rid: int) -> None:
+        req = self.reqs.get(rid)
+        if req is not None and self._launched(req):
+            self.drain()  # read its launched tokens first: no placeholder stays in its output, its pages free now
+            req = self.reqs.get(rid)  # None if those tokens finished it anyway
+        if req is not None:
+            self._finish(req, "abort")
+            self.detok.pop(rid, None)
+            self.waiting = [r for r in self.waiting if r.rid != rid]
+            self.decoder.remove_finished()
+            if self.chunked is req:
+                self.chunked = None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.reqs)
+
+    def check_integrity(self) -> None:
+        """The pool's books balance (free / tree / private), and exactly the running requests (plus a chunked
+        prompt and finished requests still in flight) hold pages and tree locks."""
+        holders = self.decoder.running + self.deferred + ([self.chunked] if self.chunked else [])
+        self.cache.check_integrity(self.decoder.running, holders)
+        assert set(self.cache.req_pages) == {r.rid for r in holders}, (
+            f"pages held by {sorted(self.cache.req_pages)} but running/chunked are {sorted(r.rid for r in holders)}")
+        assert not any(r.table_idx >= 0 for r in self.waiting), "a waiting request still holds a page-table row"
+
+    # ---------------------------------------------------------------- one step
+    def effective_priority(self, req: Req) -> int:
+        return req.priority + (self.step_count - req.arrival) // self.priority_aging_steps
+
+    def step(self) -> list[StepOutput]:
+        self.step_count += 1
+        start = time.perf_counter()
+        if self.inflight and any(r.sampling_params.has_penalties for r in self.reqs.values()):
+            self.drain()  # penalties read every earlier token on the host: no placeholders allowed
+        batch, preempted = self.schedule()
+        if batch is not None:
+            self.launch(batch, start)
+        # With overlap, leave the step just launched running and read the one before; without, read it now.
+        while len(self.inflight) > (1 if self.overlap and batch is not None else 0):
+            self.ready_outputs += self.process(*self.inflight.pop(0))
+        if self.inflight and not self.reqs:
+            self.drain()  # only finished requests are still launched: nothing to overlap, free their pages now
+        outputs, self.ready_outputs = self.ready_outputs, []
+        if batch is not None:
+            if self.record_stats:
+                self.stats.append(StepStats(self.step_count, batch.phase, batch.size, len(batch.out_cache_loc),
+                                            len(self.decoder.running), len(self.waiting),
+                                            self.cache.num_used_pages, len(preempted), time.perf_counter() - start,
+                                            self.cache_hit_rate, self.tree_tokens))
+            self._maybe_log(batch, len(outputs))
+        return outputs
+
+    def schedule(self) -> tuple[Batch | None, list[Req]]:
+        """Stage 4's choice of the next batch; with overlap, on host state that already counts launched steps."""
+        self.sort_waiting()
+        batch, preempted = None, []
+        # Prefill first (new requests join the decode batch sooner), except that a prompt being prefilled in
+        # chunks alternates with decode steps: that is what chunking is for.
+        if not (self.chunked is not None and self.last_phase == "prefill" and self.decoder.running):
+            batch, admitted = self.prefill_adder.build(self.chunked, self.waiting, self.decoder.running,
+                                                       self.new_token_ratio, self.engine.max_context_len)
+            if batch is not None:
+                self.waiting = [r for r in self.waiting if r not in admitted]
+                self.admitted_tokens += sum(len(r.all_ids) for r in admitted)
+                self.cached_tokens += sum(len(r.prefix_indices) for r in admitted)
+                return batch, []
+        if self.inflight:
+            missing = sum(self.cache.pages_missing(r, r.device_len)
+                          for r in self.decoder.candidates(self.done_launching))
+            if missing > self.cache.num_available_pages:
+                self.drain()  # preemption resets a request to its host tokens: read the launched ones first
+        batch, preempted = self.decoder.build(lambda r: (self.effective_priority(r), -r.arrival, -r.rid),
+                                              self.done_launching)
+        self.waiting.extend(preempted)
+        self.total_preemptions += len(preempted)
+        self.update_new_token_ratio(preempted)
+        return batch, preempted
+
+    def sort_waiting(self) -> None:
+        """Priority (with ageing) first; within a level, longest cached prefix first ("lpm") or arrival order.
+        Matching every waiting request costs a tree walk each, so, as SGLang does, a long queue falls back to FCFS."""
+        lpm = self.schedule_policy == "lpm" and self.cache.tree is not None and len(self.waiting) <= LPM_MAX_QUEUE
+        matched = {r.rid: self.cache.match_prefix(r) if lpm else 0 for r in self.waiting}
+        self.waiting.sort(key=lambda r: (-self.effective_priority(r), -matched[r.rid], r.arrival, r.rid))
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens / self.admitted_tokens if self.admitted_tokens else 0.0
+
+    @property
+    def tree_tokens(self) -> int:
+        tree = self.cache.tree
+        return tree.evictable_size + tree.protected_size if tree else 0
+
+    def flush_cache(self) -> None:
+        """Empty the prefix cache of everything no running request uses (SGLang's /flush_cache)."""
+        self.cache.flush()
+
+    def done_launching(self, req: Req) -> bool:
+        """Its launched tokens already reach max_new_tokens or the context: feed it no more."""
+        return (len(req.output_ids) >= req.sampling_params.max_new_tokens
+                or req.device_len >= self.engine.max_context_len)
+
+    def update_new_token_ratio(self, preempted: list[Req]) -> None:
+        """After a decode batch was built: decay the estimate, or, if it had to preempt, reset it to what the
+        requests still running have really generated (SGLang's retract estimate) so admission backs off."""
+        running = self.decoder.running
+        if not running:
+            self.new_token_ratio = self.init_new_token_ratio
+        elif preempted:
+            decoded = sum(len(r.output_ids) for r in running) + RETRACT_DECODE_STEPS * len(running)
+            budget = sum(r.sampling_params.max_new_tokens for r in running)
+            self.new_token_ratio = min(1.0, max(decoded / budget, self.new_token_ratio))
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+
+    def launch(self, batch: Batch, start: float) -> None:
+        """Prepare the batch's tensors, advance every request as if its step were done, and submit the step."""
+        fb = self.engine.prepare(batch)  # reads the placeholders of the step before, if it is still running
+        self.last_phase = batch.phase
+        if batch.phase == "prefill":
+            self.chunked = None  # set again below if this batch cut a prompt
+        sample_rows, sampled = [], []  # sampled: (request, index of its new token in output_ids)
+        for i, req in enumerate(batch.reqs):
+            if req.device_len < len(req.all_ids):  # a non-final prefill chunk: nothing to sample yet
+                req.complete_chunk()
+                self.cache.cache_unfinished(req)  # stage 6: the chunk's pages join the tree at once
+                self.chunked = req
+                continue
+            if batch.phase == "prefill":
+                self.decoder.add(req)  # prompt done: from now on it decodes
+            req.complete_one(-(req.table_idx + 1))  # placeholder: "the token this row samples now"
+            if batch.phase == "prefill":
+                # Stage 6: the prompt's pages join the tree now, not when the request ends, so requests with the
+                # same prefix that arrive while it decodes reuse them. Safe before the batch has run: whoever
+                # reads them is in a later batch, which the device runs after this one.
+                self.cache.cache_unfinished(req)
+            sample_rows.append(i)
+            sampled.append((req, len(req.output_ids) - 1))
+        reqs = [r for r, _ in sampled]
+        gens = [self.generators.get(r.rid) for r in reqs]
+        engine = self.engine
+        rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.long, device=engine.device)  # [S]
+        sel = torch.tensor(sample_rows, dtype=torch.long, device=engine.device)  # [S]
+        want = [j for j, r in enumerate(reqs) if r.return_logprob]  # stage 8: who asked for logprobs
+        top_k = max((reqs[j].top_logprobs_num for j in want), default=0)
+        want_rows = torch.tensor(want, dtype=torch.long, device=engine.device)  # [W]
+        logprobs: dict = {}
+
+        def device_step() -> torch.Tensor:  # runs on the device worker
+            logits = engine.run(fb)  # [B, vocab]
+            if not reqs:
+                return torch.empty(0, dtype=torch.long, device=engine.device)
+            logits = logits[sel]  # [S, vocab]
+            tokens = sample_tensor(logits, reqs, gens)  # [S], on the device
+            engine.future_tokens[rows] = tokens  # the next step's placeholders read them here
+            if want:  # read by process() once the step is done, like the tokens
+                logprobs.update(rows=want, values=token_logprobs(logits[want_rows], tokens[want_rows], top_k))
+            return tokens
+
+        timing = StepTiming(self.step_count, batch.phase, batch.size, (start, time.perf_counter()))
+        # Alive until the step is read back: on CUDA the forward stream reads them after this thread drops them.
+        # fb.input_ids is listed on its own because engine.run replaces it with the resolved ids.
+        keep_alive = [fb, fb.input_ids, rows, sel]
+        pending = self.worker.submit(device_step)  # without overlap, this runs the step before returning
+        pending.timing, pending.keep_alive, pending.logprobs = timing, keep_alive, logprobs
+        self.inflight.append((batch, sampled, pending))
+
+    def shutdown(self) -> None:
+        """Read back what is still in flight, then stop the device worker (LLM.close), even if that step failed."""
+        try:
+            self.drain()
+        finally:
+            self.worker.shutdown()
+
+    def drain(self) -> None:
+        """Read every launched step now (the pipeline empties; its outputs go out with this step's)."""
+        while self.inflight:
+            self.ready_outputs += self.process(*self.inflight.pop(0))
+
+    def process(self, batch: Batch, sampled: list[tuple[Req, int]], pending: Pending) -> list[StepOutput]:
+        """Read one launched step's tokens: fill in placeholders, stop checks, detokenize, release finished."""
+        tokens, events = pending.wait()
+        t0 = time.perf_counter()
+        outputs = []
+        logprobs = logprobs_to_host(pending.logprobs)  # {index in sampled: (logprob, top (id, logprob) pairs)}
+        for j, ((req, index), token_id) in enumerate(zip(sampled, tokens)):
+            if req.finished:  # it finished at an earlier step (or was aborted) while this one was in flight
+                continue
+            req.output_ids[index] = token_id
+            self._check_stop(req, token_id, index + 1)
+            if req.finished and len(req.output_ids) > index + 1:  # drop the launched tokens after the last one
+                del req.output_ids[index + 1 :]
+                req.device_len, req.cached_len = len(req.all_ids), len(req.all_ids) - 1
+            req.check_invariants()
+            detok = self.detok.pop(req.rid, None) if req.finished else self.detok.get(req.rid)
+            delta = detok.take_delta(final=req.finished) if detok and self.stream_text else ""
+            logprob, top = logprobs.get(j, (None, None))
+            outputs.append(StepOutput(req.rid, [token_id], delta, req.finished, req.finish_reason, req, logprob,
+                                      top[: req.top_logprobs_num] if top is not None else None))
+        self.decoder.remove_finished()
+        still_launched = {r.rid for b, _, _ in self.inflight for r in b.reqs}
+        for req in [r for r in self.deferred if r.rid not in still_launched]:
+            self.deferred.remove(req)
+            self.cache.release(req)
+        if pending.timing is not None and self.record_stats:
+            pending.timing.device = self.worker.times(events)
+            pending.timing.process = (t0, time.perf_counter())
+            self.timings.append(pending.timing)
+        return outputs
+
+    def _check_stop(self, req: Req, token_id: int, num_output: int) -> None:
+        """num_output: the request's output length up to this token (later launched tokens are not counted)."""
+        params = req.sampling_params
+        detok = self.detok.get(req.rid)
+        matched_string = detok.add(token_id) if detok else None
+        if token_id in params.stop_token_ids:
+            self._finish(req, "stop", token_id)
+        elif token_id in self.engine.eos_token_ids and not params.ignore_eos:
+            self._finish(req, "stop", token_id)
+        elif matched_string is not None:
+            self._finish(req, "stop", matched_string)
+        elif (num_output >= params.max_new_tokens
+              or len(req.input_ids) + num_output >= self.engine.max_context_len):
+            self._finish(req, "length")
+
+    def _finish(self, req: Req, reason: str, matched=None) -> None:
+        req.status, req.finish_reason, req.matched_stop = ReqStatus.FINISHED, reason, matched
+        if req.table_idx >= 0:
+            if self._launched(req):
+                self.deferred.append(req)  # a launched batch may still write its KV pages: release after it
+            else:
+                self.cache.release(req)
+        self.reqs.pop(req.rid, None)
+        self.generators.pop(req.rid, None)
+
+    def _launched(self, req: Req) -> bool:
+        """In a batch launched but not read back yet."""
+        return any(r is req for b, _, _ in self.inflight for r in b.reqs)
+
+    def _maybe_log(self, batch: Batch, num_new_tokens: int) -> None:
+        self._log_tokens += num_new_tokens
+        if self.log_interval and batch.phase == "decode" and self.step_count % self.log_interval == 0:
+            now = time.perf_counter()
+            logger.info("step %d: decode batch %d, %d waiting, KV pages %d/%d used, cache hit rate %.1f%%, tree "
+                        "%d tokens, gen throughput %.1f tok/s", self.step_count, batch.size, len(self.waiting),
+                        self.cache.num_used_pages, self.cache.pool.num_pages, 100 * self.cache_hit_rate,
+                        self.tree_tokens, self._log_tokens / (now - self._log_time))
+            self._log_tokens, self._log_time = 0, now

@@ -1,0 +1,192 @@
+"""The HTTP front: a FastAPI app served by uvicorn in the main process.
+
+    POST /v1/chat/completions, /v1/completions   OpenAI's API, streaming (SSE) or not
+    GET  /v1/models                              the one model served
+    POST /generate                               SGLang's native API
+    GET  /health                                 200 while every process is alive
+    GET  /get_server_info                        engine settings, process ids, scheduler state (+ integrity check)
+    POST /flush_cache                            empty the radix cache of what no request uses
+    GET  /                                       the playground: one HTML page that chats with the server
+
+A handler turns the body into prompts + SamplingParams names, hands them to the EngineClient, and turns what comes
+back into OpenAI's shape. Streaming uses server-sent events: each chunk is one line `data: {json}` followed by a
+blank line; the stream ends with `data: [DONE]`. A client that disconnects has its requests aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .engine_client import Disconnected, EngineClient, RequestHandle
+from .messages import EngineInfo, PortArgs
+from .openai_serving import ChatBuilder, CompletionBuilder, GenerateBuilder, ResponseBuilder
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, GenerateRequest
+
+PLAYGROUND = Path(__file__).parent / "static" / "playground.html"
+
+
+def sse(body: dict | str) -> str:
+    """One server-sent event: `data: <payload>` and a blank line."""
+    return f"data: {body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def create_app(ports: PortArgs, served_model_name: str, info: EngineInfo, server_info: dict) -> FastAPI:
+    """server_info: what /get_server_info reports besides the scheduler's state (model path, engine arguments,
+    process ids); the launcher fills it in."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        client = EngineClient(ports)  # sockets made inside the event loop that will use them
+        client.start()
+        app.state.client, app.state.loop = client, asyncio.get_running_loop()
+        yield
+        client.close()
+
+    app = FastAPI(title="sglang-from-zero", lifespan=lifespan)
+    created = int(time.time())
+
+    def client_of(request: Request) -> EngineClient:
+        return request.app.state.client
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{served_model_name}`.",
+                           "model", "model_not_found")
+
+    # ---------------------------------------------------------------- errors: OpenAI's shape, always
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        err = exc.errors()[0]
+        loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+        param = ".".join(loc) or None
+        if err.get("type") == "json_invalid":
+            param, message = None, f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}"
+        elif not loc:
+            message = f"the body must be a JSON object ({err.get('msg')})"
+        elif err.get("type") == "extra_forbidden":
+            message = f"unsupported parameter: {param}"
+        else:
+            message = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
+        return JSONResponse(APIError(400, message, param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        return JSONResponse(APIError(500, f"internal error: {exc!r}").body(), status_code=500)
+
+    # ---------------------------------------------------------------- generation
+    async def respond(request: Request, handle: RequestHandle, builder: ResponseBuilder, stream: bool):
+        watcher = asyncio.get_running_loop().create_task(handle.abort_on_disconnect(request))
+        try:
+            first = await handle.next()  # a refusal arrives first: answer it with its status, not a stream
+        except Disconnected:
+            return Response(status_code=499)
+        except BaseException:
+            watcher.cancel()
+            raise
+        if not stream:
+            try:
+                builder.add(*first)
+                while not handle.done:
+                    builder.add(*await handle.next())
+            except Disconnected:
+                return Response(status_code=499)  # nobody reads it
+            finally:
+                watcher.cancel()
+                await handle.abort()  # no-op when all finished; else (an error) the others stop too
+            return JSONResponse(builder.response())
+
+        async def events():
+            try:
+                out = first
+                while True:
+                    for chunk in builder.stream_chunks(*out):
+                        yield sse(chunk)
+                    if handle.done:
+                        break
+                    out = await handle.next()
+                for chunk in builder.final_chunks():
+                    yield sse(chunk)
+            except Disconnected:
+                return
+            except APIError as exc:  # a later prompt was refused, or the engine stopped, mid-stream
+                yield sse(exc.body())
+            finally:
+                watcher.cancel()
+                await handle.abort()  # the client went away (or an error): free the requests' KV pages
+            yield sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        return_logprob, top = body.logprob_args()
+        params = body.sampling_params(body.max_new_tokens())
+        messages = [m.as_template_input() for m in body.messages]
+        handle = await client_of(request).generate([{"messages": messages}], params, body.n, return_logprob, top)
+        builder = ChatBuilder(served_model_name, len(handle.index), body.n, body.include_usage, return_logprob)
+        return await respond(request, handle, builder, body.stream)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        return_logprob = body.logprobs is not None
+        handle = await client_of(request).generate(body.prompts(), body.sampling_params(body.max_tokens), body.n,
+                                                   return_logprob, body.logprobs or 0)
+        builder = CompletionBuilder(served_model_name, len(handle.index), body.n, body.include_usage,
+                                    return_logprob)
+        return await respond(request, handle, builder, body.stream)
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request):
+        if (body.text is None) == (body.input_ids is None):
+            raise APIError(400, "give exactly one of text and input_ids", "text")
+        prompt = {"text": body.text} if body.text is not None else {"input_ids": body.input_ids}
+        handle = await client_of(request).generate([prompt], body.sampling_params.model_dump(), 1,
+                                                   body.return_logprob, body.top_logprobs_num)
+        builder = GenerateBuilder(served_model_name, 1, logprobs=body.return_logprob)
+        return await respond(request, handle, builder, body.stream)
+
+    # ---------------------------------------------------------------- the rest
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
+                                            "owned_by": "sglang-from-zero", "max_model_len": info.max_context_len}]}
+
+    @app.get("/health")
+    async def health(request: Request):
+        client_of(request).check_alive()
+        return {"status": "ok"}
+
+    @app.get("/get_server_info")
+    async def get_server_info(request: Request):
+        state = await client_of(request).control("status")
+        return dict(server_info, served_model_name=served_model_name, max_context_len=info.max_context_len,
+                    max_total_tokens=info.max_total_tokens, internal_state=state)
+
+    @app.post("/flush_cache")
+    async def flush_cache(request: Request):
+        return await client_of(request).control("flush_cache")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def playground():
+        return PLAYGROUND.read_text()
+
+    return app

@@ -1,0 +1,179 @@
+"""Start the server's processes, serve, and stop them all together.
+
+    main process: API server (FastAPI + uvicorn) ─▶ tokenizer worker ─▶ scheduler ─▶ detokenizer worker ─▶ back
+
+1. Bind the HTTP port first (a port in use fails in a second, not after the model loaded).
+2. Start the scheduler (multiprocessing "spawn": a fresh interpreter, no state copied from this one) and wait for
+   its handshake: it sends ("ready", EngineInfo) once the model is loaded, or ("failed", traceback). Then the
+   tokenizer and detokenizer workers (the tokenizer validates against the engine's context length and vocabulary).
+   Each has STARTUP_TIMEOUT_S to say it is ready.
+3. Serve. A watchdog thread waits on every child's sentinel: when one dies, it names it, fails every request in
+   flight (503) and stops uvicorn.
+4. On the way out, whatever the reason (SIGINT, SIGTERM, a dead child, a failed start), SIGTERM every child that is
+   still alive, wait, SIGKILL the stubborn ones. A dead child makes the exit status 1. Children also watch their
+   parent (process.py), so even a SIGKILLed launcher leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .detokenizer_worker import run_detokenizer_worker
+from .messages import PortArgs
+from .scheduler_process import run_scheduler
+from .tokenizer_worker import run_tokenizer_worker
+
+STARTUP_TIMEOUT_S = 600.0  # the first start of a model may convert its weights
+STOP_TIMEOUT_S = 5.0  # per child, after SIGTERM, before SIGKILL
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass
+class Child:
+    name: str
+    process: mp.Process
+    ready_conn: object
+
+
+@dataclass
+class Launcher:
+    ports: PortArgs = field(default_factory=PortArgs.new)
+    children: list[Child] = field(default_factory=list)
+    stopping: bool = False
+    died: str | None = None  # which child died, and how
+
+    def start(self, name: str, target, *args) -> Child:
+        ctx = mp.get_context("spawn")
+        reader, writer = ctx.Pipe(duplex=False)
+        process = ctx.Process(target=target, args=(*args, self.ports, writer), name=name, daemon=False)
+        process.start()
+        writer.close()  # the child holds its own copy; EOF on `reader` now means the child is gone
+        child = Child(name, process, reader)
+        self.children.append(child)
+        return child
+
+    def wait_ready(self, child: Child, timeout: float = STARTUP_TIMEOUT_S):
+        """The handshake: what the child sent with "ready", or LaunchError naming it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if child.ready_conn.poll(0.2):
+                try:
+                    status, payload = child.ready_conn.recv()
+                except EOFError:
+                    break
+                if status == "ready":
+                    return payload
+                raise LaunchError(f"the {child.name} failed to start:\n{payload}")
+            if not child.process.is_alive():
+                break
+        child.process.join(0.5)
+        if child.process.exitcode is not None:
+            raise LaunchError(f"the {child.name} exited during startup (exit code {child.process.exitcode})")
+        raise LaunchError(f"the {child.name} did not get ready within {timeout:.0f} s")
+
+    def watch(self, on_death) -> threading.Thread:
+        """A thread that calls on_death(message) when any child dies while serving."""
+
+        def run():
+            sentinels = {c.process.sentinel: c for c in self.children}
+            ready = mp.connection.wait(list(sentinels))
+            if self.stopping:
+                return
+            child = sentinels[ready[0]]
+            child.process.join(1.0)
+            self.died = f"the {child.name} (pid {child.process.pid}) died with exit code {child.process.exitcode}"
+            print(f"error: {self.died}; stopping the server", file=sys.stderr, flush=True)
+            on_death(self.died)
+
+        thread = threading.Thread(target=run, name="watchdog", daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        """SIGTERM every live child, wait, SIGKILL what is left; remove the ipc folder."""
+        self.stopping = True
+        for child in self.children:
+            if child.process.is_alive():
+                child.process.terminate()
+        for child in self.children:
+            child.process.join(STOP_TIMEOUT_S)
+            if child.process.is_alive():
+                print(f"warning: the {child.name} ignored SIGTERM; killing it", file=sys.stderr)
+                child.process.kill()
+                child.process.join()
+        folder = Path(self.ports.api_ipc_name.removeprefix("ipc://")).parent
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise LaunchError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(2048)
+    return sock
+
+
+def launch_server(engine_args: dict, host: str = "127.0.0.1", port: int = 30000,
+                  served_model_name: str | None = None, log_level: str = "warning") -> int:
+    """Run the server until SIGINT / SIGTERM or a child's death. Returns the exit status (0: asked to stop)."""
+    import uvicorn  # the server's dependencies, imported only by the process that serves
+
+    from .api_server import create_app
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SystemExit: the `finally` below stops the children
+    launcher = Launcher()
+    try:
+        sock = bind_port(host, port)
+        port = sock.getsockname()[1]  # port 0: the system picked one
+        scheduler = launcher.start("scheduler", run_scheduler, engine_args)
+        info = launcher.wait_ready(scheduler)
+        model_path = str(engine_args["model"])
+        tokenizer = launcher.start("tokenizer worker", run_tokenizer_worker, model_path, info)
+        detokenizer = launcher.start("detokenizer worker", run_detokenizer_worker, model_path)
+        launcher.wait_ready(tokenizer)
+        launcher.wait_ready(detokenizer)
+
+        name = served_model_name or model_path
+        server_info = {"model_path": model_path, "engine_args": {k: str(v) for k, v in engine_args.items()},
+                       "processes": {"api_server": os.getpid(), **{c.name: c.process.pid for c in launcher.children}}}
+        app = create_app(launcher.ports, name, info, server_info)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2))
+
+        def on_death(message: str) -> None:
+            loop = getattr(app.state, "loop", None)
+            if loop is not None:
+                loop.call_soon_threadsafe(app.state.client.fail_all, message)
+            server.should_exit = True
+
+        launcher.watch(on_death)
+        url = f"http://{host}:{port}"
+        print(f"serving {name} at {url} (playground: {url}/)\n"
+              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
+              flush=True)
+        server.run(sockets=[sock])
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        launcher.stop()
+    return 1 if launcher.died else 0

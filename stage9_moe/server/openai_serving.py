@@ -1,0 +1,157 @@
+"""Response bodies: the engine's outputs -> OpenAI's chat.completion / text_completion objects (whole, or as the
+chunks of a stream) and SGLang's /generate shape.
+
+A builder collects each choice's outputs as they arrive. Streaming, every output becomes zero or more chunks at
+once; otherwise the whole response is built at the end. Usage counts each prompt once however many copies (n)
+it had, and sums completion tokens over all choices; cached_tokens sums over all choices (SGLang's convention),
+so with n > 1 it shows what the copies took from the radix cache.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from .messages import ReqOutput, TokenLogprob
+
+
+@dataclass
+class Choice:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    text_offset: int = 0  # completions' logprobs: where the next token's text starts
+    started: bool = False  # chat streaming: the chunk with the role was sent
+
+
+class ResponseBuilder:
+    id_prefix = "cmpl"
+
+    def __init__(self, model: str, num_choices: int, n: int = 1, include_usage: bool = False,
+                 logprobs: bool = False):
+        self.model, self.n, self.include_usage, self.want_logprobs = model, n, include_usage, logprobs
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.choices = [Choice() for _ in range(num_choices)]
+
+    def add(self, index: int, out: ReqOutput) -> Choice:
+        ch = self.choices[index]
+        ch.text += out.text
+        ch.token_ids += out.token_ids
+        ch.logprobs += out.logprobs or []
+        ch.prompt_tokens, ch.cached_tokens = out.prompt_tokens, out.cached_tokens
+        if out.finished:
+            ch.finish_reason, ch.matched_stop = out.finish_reason, out.matched_stop
+        return ch
+
+    def usage(self) -> dict:
+        prompt = sum(c.prompt_tokens for c in self.choices[:: self.n])
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in self.choices)}}
+
+    def chunk(self, choices: list[dict]) -> dict:
+        body = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                "choices": choices}
+        if self.include_usage:
+            body["usage"] = None  # OpenAI's stream shape: every chunk has the key, the last one the numbers
+        return body
+
+    def final_chunks(self) -> list[dict]:
+        if not self.include_usage:
+            return []
+        return [dict(self.chunk([]), usage=self.usage())]
+
+
+class ChatBuilder(ResponseBuilder):
+    id_prefix, chunk_object = "chatcmpl", "chat.completion.chunk"
+
+    def stream_chunks(self, index: int, out: ReqOutput) -> list[dict]:
+        ch = self.add(index, out)
+        chunks = []
+        if not ch.started:
+            ch.started = True
+            chunks.append(self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}]))
+        if out.text or (self.want_logprobs and out.logprobs):
+            chunks.append(self.chunk([{"index": index, "delta": {"content": out.text},
+                                       "logprobs": self.logprobs(out.logprobs), "finish_reason": None}]))
+        if out.finished:
+            chunks.append(self.chunk([{"index": index, "delta": {}, "logprobs": None,
+                                       "finish_reason": ch.finish_reason, "matched_stop": ch.matched_stop}]))
+        return chunks
+
+    def logprobs(self, logprobs: list[TokenLogprob] | None) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        entry = lambda text, lp: {"token": text, "logprob": lp, "bytes": list(text.encode())}  # noqa: E731
+        return {"content": [dict(entry(t.text, t.logprob),
+                                 top_logprobs=[entry(s, lp) for s, (_, lp) in zip(t.top_texts, t.top)])
+                            for t in logprobs or []]}
+
+    def response(self) -> dict:
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason,
+                             "matched_stop": c.matched_stop} for i, c in enumerate(self.choices)],
+                "usage": self.usage()}
+
+
+class CompletionBuilder(ResponseBuilder):
+    id_prefix, chunk_object = "cmpl", "text_completion"
+
+    def stream_chunks(self, index: int, out: ReqOutput) -> list[dict]:
+        ch = self.add(index, out)
+        if not (out.text or out.finished or (self.want_logprobs and out.logprobs)):
+            return []
+        return [self.chunk([{"index": index, "text": out.text, "logprobs": self.logprobs(ch, out.logprobs),
+                             "finish_reason": ch.finish_reason if out.finished else None,
+                             "matched_stop": ch.matched_stop if out.finished else None}])]
+
+    def logprobs(self, ch: Choice, logprobs: list[TokenLogprob] | None) -> dict | None:
+        """The legacy shape: parallel lists, top_logprobs as {token text: logprob}."""
+        if not self.want_logprobs:
+            return None
+        offsets = []
+        for t in logprobs or []:
+            offsets.append(ch.text_offset)
+            ch.text_offset += len(t.text)
+        return {"tokens": [t.text for t in logprobs or []], "token_logprobs": [t.logprob for t in logprobs or []],
+                "top_logprobs": [{s: lp for s, (_, lp) in zip(t.top_texts, t.top)} for t in logprobs or []],
+                "text_offset": offsets}
+
+    def response(self) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": i, "text": c.text, "logprobs": self.logprobs(c, c.logprobs),
+                             "finish_reason": c.finish_reason, "matched_stop": c.matched_stop}
+                            for i, c in enumerate(self.choices)],
+                "usage": self.usage()}
+
+
+class GenerateBuilder(ResponseBuilder):
+    """SGLang's /generate: {"text", "output_ids", "meta_info"}; a stream sends that whole object each time, with
+    the text so far (SGLang's default, non-incremental stream)."""
+
+    def stream_chunks(self, index: int, out: ReqOutput) -> list[dict]:
+        self.add(index, out)
+        return [self.response()]
+
+    def final_chunks(self) -> list[dict]:
+        return []
+
+    def response(self) -> dict:
+        c = self.choices[0]
+        meta = {"id": self.id, "prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.token_ids),
+                "cached_tokens": c.cached_tokens,
+                "finish_reason": None if c.finish_reason is None else {"type": c.finish_reason,
+                                                                       "matched": c.matched_stop}}
+        if self.want_logprobs:  # SGLang's shape: (logprob, token id, text) per token
+            meta["output_token_logprobs"] = [[t.logprob, t.token_id, t.text] for t in c.logprobs]
+            meta["output_top_logprobs"] = [[[lp, tid, s] for s, (tid, lp) in zip(t.top_texts, t.top)]
+                                           for t in c.logprobs]
+        return {"text": c.text, "output_ids": c.token_ids, "meta_info": meta}

@@ -1,0 +1,151 @@
+"""The HTTP request bodies (OpenAI's and SGLang's native /generate), as strict pydantic models, and their mapping
+onto the engine's SamplingParams names.
+
+The API server checks shape and types here (a string where a number belongs, a field nobody knows, malformed JSON:
+400 naming the field); the tokenizer worker checks every value against the engine (ranges, vocabulary, context).
+Unknown fields are refused rather than ignored: a client that sends `logit_bias` or `tools` learns that this server
+does not do them, instead of getting an answer that silently differs from what it asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 128  # OpenAI's limit on n
+
+
+class APIError(Exception):
+    """Becomes an OpenAI-shaped error body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = {400: "invalid_request_error", 404: "invalid_request_error", 503: "server_error"}.get(
+            self.status, "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart]]
+    name: str | None = None
+
+    def as_template_input(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class SamplingFields(Strict):
+    """What chat and completions share: OpenAI's parameters, then SGLang's extras (sent as extra body fields)."""
+
+    model: str | None = None  # None: the one model this server serves
+    temperature: float | None = Field(None, ge=0, le=2)  # None: 1.0, OpenAI's default
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    user: str | None = None  # OpenAI's end-user id: accepted; this server has no accounts to use it for
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def sampling_params(self, max_new_tokens: int | None) -> dict:
+        """OpenAI names -> SamplingParams names; what is not given keeps the engine's default."""
+        params = {"max_new_tokens": max_new_tokens, "temperature": 1.0 if self.temperature is None else
+                  self.temperature, "ignore_eos": self.ignore_eos}
+        for name in ("top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                     "repetition_penalty", "stop_token_ids"):
+            if getattr(self, name) is not None:
+                params[name] = getattr(self, name)
+        return params
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def max_new_tokens(self) -> int | None:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise APIError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprob_args(self) -> tuple[bool, int]:
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+        return self.logprobs, self.top_logprobs or 0
+
+
+class CompletionRequest(SamplingFields):
+    # A string, a list of strings, token ids, or a list of token-id lists: one choice per prompt (times n).
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=5)  # how many top tokens per position (OpenAI's legacy shape)
+
+    def prompts(self) -> list[dict]:
+        """Each prompt as GenerateReqInput fields: {"text": ...} or {"input_ids": ...}."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [{"text": p}]
+        if not p:
+            raise APIError(400, "prompt is empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [{"input_ids": list(p)}]
+        return [{"text": x} if isinstance(x, str) else {"input_ids": list(x)} for x in p]
+
+
+class GenerateSamplingParams(Strict):
+    """/generate's sampling_params: SGLang's (= SamplingParams') names."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    ignore_eos: bool = False
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = None
+
+
+class GenerateRequest(Strict):
+    """SGLang's native POST /generate: one prompt, as text or token ids."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0, le=20)

@@ -1,0 +1,163 @@
+"""What every tensor-parallel rank runs: its shard of the engine, the same scheduler, stepped in lockstep.
+
+SGLang's shape: every rank runs its own copy of the (deterministic) scheduler. Rank 0 owns the requests (it is the
+LLM's process): at the start of every step it broadcasts what changed since the last one (new requests, aborts);
+then every rank takes the same scheduling decisions on the same state, launches the same batch on its shard, and
+the collectives inside the forward pass meet. Every rank samples the same token from the same (all-gathered)
+logits. Only rank 0 hands results to the caller.
+
+    rank 0 (LLM.step)                          rank r > 0 (run_follower)
+    broadcast Command(adds, aborts)  ------->  cmd = broadcast(); apply it
+    scheduler.step()  <== all-reduces ==>      scheduler.step()
+    -> outputs to the caller                   (its outputs are dropped: they are rank 0's too)
+
+The alternative shape (rank 0 schedules alone and broadcasts each batch) sends more bytes every step and leaves
+the other ranks unable to run the overlap scheduler or the radix cache on their own; keeping the scheduler
+deterministic is the price of this one (no wall-clock decisions, the same pool size on every rank, the same random
+seeds: a request that samples without a seed gets one drawn on rank 0).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .core import Req
+from .distributed import (SINGLE, LocalRanks, TPError, TPInfo, broadcast_object, describe, destroy,
+                          init_process_groups)
+from .engine import Engine
+from .scheduler import Scheduler
+from .tokenizer import Tokenizer, TokenizerConfig
+
+
+@dataclass
+class RankSpec:
+    """Everything a rank needs to build its part of the engine (sent to the spawned ranks, so: picklable)."""
+
+    model_path: Path
+    tokenizer_config: TokenizerConfig | None
+    engine: dict  # Engine keyword arguments (device is per rank: see device_for)
+    scheduler: dict  # Scheduler keyword arguments
+    tp_size: int = 1
+    nnodes: int = 1
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    def device_for(self, rank: int) -> str:
+        device = torch.device(self.engine["device"])
+        if device.type != "cuda":
+            return str(device)
+        return f"cuda:{rank % self.ranks_per_node}"  # one GPU per rank of a node
+
+
+@dataclass
+class Command:
+    """What rank 0 tells the other ranks at the start of a step."""
+
+    adds: list[Req] = field(default_factory=list)
+    aborts: list[int] = field(default_factory=list)
+    flush_cache: bool = False
+    report: bool = False  # gather every rank's memory report instead of stepping
+    shutdown: bool = False
+
+    def apply(self, scheduler: Scheduler) -> None:
+        for req in self.adds:
+            scheduler.add_request(req)
+        for rid in self.aborts:
+            scheduler.abort(rid)
+        if self.flush_cache:
+            scheduler.flush_cache()
+
+
+def build_rank(spec: RankSpec, rank: int, tp: TPInfo = SINGLE, control=None, verbose: bool = True):
+    """-> (tokenizer, engine, scheduler) of one rank. Every rank builds the same way, in the same order: the
+    engine's constructor meets the other ranks once (to agree on the KV pool's size)."""
+    tokenizer = Tokenizer(spec.model_path, spec.tokenizer_config)
+    engine = Engine(spec.model_path, **{**spec.engine, "device": spec.device_for(rank)}, verbose=verbose,
+                    eos_token_ids=tokenizer.eos_token_ids, tp=tp, control_group=control)
+    if tokenizer.config.max_length is None:  # leave room for at least one generated token
+        tokenizer.config.max_length = engine.max_context_len - 1
+    return tokenizer, engine, Scheduler(engine, tokenizer, **spec.scheduler)
+
+
+def start_ranks(spec: RankSpec, dist_init_addr: str) -> tuple[TPInfo, object, LocalRanks]:
+    """On node 0: spawn ranks 1 .. ranks_per_node-1 of this node, join the process groups as rank 0."""
+    ranks = LocalRanks(run_follower, list(range(1, spec.ranks_per_node)), (spec, dist_init_addr))
+    try:
+        tp, control = init_process_groups(0, spec.tp_size, dist_init_addr, torch.device(spec.device_for(0)))
+    except Exception as exc:
+        ranks.stop(timeout=1)
+        raise TPError(describe(ranks.failures(), exc)) from exc
+    return tp, control, ranks
+
+
+def serve_node(spec: RankSpec, node_rank: int, dist_init_addr: str) -> None:
+    """On node N > 0 (`python -m stage7_tp --node-rank N`): run this node's ranks until rank 0 shuts them down."""
+    first = node_rank * spec.ranks_per_node
+    ranks = LocalRanks(run_follower, list(range(first, first + spec.ranks_per_node)), (spec, dist_init_addr))
+    ranks.join()  # until rank 0 tells them to stop, or one fails
+    failures = ranks.failures(wait=0)
+    ranks.stop()
+    if failures:
+        raise TPError(describe(failures))
+
+
+def run_follower(rank: int, spec: RankSpec, dist_init_addr: str) -> None:
+    """A rank other than 0: build its shard, then follow rank 0's commands until told to stop."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.ranks_per_node))  # the node's cores, shared
+    tp, control = init_process_groups(rank, spec.tp_size, dist_init_addr, torch.device(spec.device_for(rank)))
+    _, engine, scheduler = build_rank(spec, rank, tp, control, verbose=False)
+    try:
+        while True:
+            cmd = broadcast_object(None, control)
+            if cmd.shutdown:
+                break
+            if cmd.report:
+                dist.gather_object(rank_report(engine), None, dst=0, group=control)
+                continue
+            cmd.apply(scheduler)
+            scheduler.step()
+    finally:
+        scheduler.shutdown()
+        destroy()
+
+
+def rank_report(engine: Engine) -> dict:
+    """This rank's memory: weights (and the part replicated on every rank) and its KV pool."""
+    report = engine.memory_report()
+    pool = engine.kv_pool
+    return {"rank": engine.tp.rank, "weight_bytes": report.param_bytes, "replicated_bytes": report.replicated_bytes,
+            "checkpoint_bytes_read": engine.load_stats.bytes_read,
+            "kv_heads": engine.num_kv_heads, "kv_bytes_per_token": report.kv_bytes_per_token,
+            "kv_pool_bytes": pool.k.numel() * pool.k.element_size() * 2, "kv_tokens": pool.num_pages * pool.page_size}
+
+
+def shutdown_ranks(scheduler: Scheduler, control, ranks: LocalRanks | None) -> None:
+    """Rank 0's close: stop every rank (they may already be gone), then this process's worker."""
+    if control is not None:
+        try:
+            broadcast_object(Command(shutdown=True), control)
+        except Exception:  # noqa: BLE001 — a rank that died cannot be told to stop; it is stopped below
+            pass
+    try:
+        scheduler.shutdown()
+    except Exception:  # noqa: BLE001 — the step in flight failed with its rank (already reported): nothing to read
+        if control is None:
+            raise
+    finally:
+        if ranks is not None:
+            ranks.stop()
+        destroy()
+
+
+def abandon_ranks(ranks: LocalRanks | None) -> None:
+    """Rank 0 failed before the ranks could be told anything: stop them by force."""
+    if ranks is not None:
+        ranks.stop(timeout=0)
+    destroy()
