@@ -1,4 +1,4 @@
-"""Stage 8 — the server: an OpenAI-compatible HTTP service in front of the engine (python -m stage8_server)."""
+"""Stage 9 — mixture of experts (Qwen3-MoE, Mixtral): a router, stacked experts, a fused MoE kernel."""
 
 from .core import Batch, Req, ReqStatus, SamplingParams
 from .distributed import TPError

@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache (stage 5's engine)")
     parser.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"],
                         help="waiting-queue order within a priority: longest cached prefix first, or arrival order")
+    parser.add_argument("--moe-runner-backend", default="auto", choices=["auto", "triton", "torch"],
+                        help="MoE layers: fused Triton kernels (triton), the per-expert reference loop (torch); "
+                             "auto = triton on CUDA, torch on CPU")
     parser.add_argument("--disable-overlap", action="store_true",
                         help="process each step's results before launching the next (stage 4's loop)")
     parser.add_argument("--memory-report", action="store_true",
@@ -96,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
         disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
         disable_overlap=args.disable_overlap, disable_radix_cache=args.disable_radix_cache,
         schedule_policy=args.schedule_policy, progress=args.progress, verbose=not args.quiet, tp_size=args.tp_size,
-        nnodes=args.nnodes, dist_init_addr=args.dist_init_addr, load_format=args.load_format)
+        nnodes=args.nnodes, dist_init_addr=args.dist_init_addr, load_format=args.load_format,
+        moe_runner_backend=args.moe_runner_backend)
     if args.node_rank > 0:  # another machine's share of the tensor-parallel ranks: serve them until node 0 is done
         engine_args.pop("verbose")
         try:

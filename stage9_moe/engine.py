@@ -27,6 +27,7 @@ from .core import Batch
 from .graph import GraphRunner, can_capture
 from .kv_cache import PageTable, PagedKVPool
 from .models import ModelConfig, build_model, replicated_bytes
+from .moe import set_moe_runner_backend
 from .tokenizer import read_eos_token_ids
 from .distributed import SINGLE, TPInfo, min_over_ranks
 from .weights import load_dummy_weights, load_weights
@@ -161,7 +162,7 @@ class Engine:
                  max_total_tokens: int | None = None, mem_fraction_static: float | None = None,
                  eos_token_ids: set[int] | None = None, progress: bool | None = None, verbose: bool = True,
                  cuda_graph: bool = True, cuda_graph_max_bs: int = 64, load_format: str = "auto",
-                 tp: TPInfo = SINGLE, control_group=None):
+                 tp: TPInfo = SINGLE, control_group=None, moe_runner_backend: str = "auto"):
         """Stage 7: `tp` says which shard of the model this process holds (its rank of tp_size); with tp_size > 1
         the control group lets the ranks agree on one KV pool size. load_format "dummy": random weights from the
         config alone (no checkpoint read; SGLang's --load-format dummy).
@@ -169,7 +170,8 @@ class Engine:
         mem_fraction_static: the share of memory for weights + KV cache (default 0.88 of a GPU; on a CPU 0.25 of
         the available RAM, for the KV cache alone, at most 1 GiB). eos_token_ids: the tokenizer's (tokenizer.py);
         default: read from the checkpoint's configs. progress: a progress bar while loading (None: when stderr is
-        a terminal). verbose: one line on load."""
+        a terminal). verbose: one line on load. moe_runner_backend: the MoE layers' path, "auto" (fused Triton
+        kernels where they run, else the reference loop), "triton" or "torch" (moe.py)."""
         model_path = Path(model_path)
         if not (model_path / "config.json").exists():
             raise FileNotFoundError(f"no config.json in {model_path}: not a Hugging Face model folder")
@@ -193,6 +195,7 @@ class Engine:
 
         self.tp = tp
         self.model = build_model(config, self.device, dtype, tp)  # this rank's shard, empty, in dtype, on device
+        set_moe_runner_backend(self.model, moe_runner_backend)  # MoE layers: fused kernels or the reference loop
         self.config = cfg = self.model.config  # the family's view (e.g. Qwen2 adds qkv_bias)
         if load_format == "dummy":
             self.load_stats = load_dummy_weights(self.model)

@@ -26,6 +26,9 @@ With tp_size 1 (the default) nothing is split and no collective is called: the l
 
 Parameters are created with torch.empty, not initialised: the loader overwrites every one of them, and checks
 that it did, so random init would only cost time (seconds for a large model on a CPU).
+
+Stage 9: RMSNorm (with the residual add fused in), RoPE and SwiGLU's activation call kernels/ (Triton on a GPU,
+the same torch code as before on a CPU). The experts' layer, FusedMoE, is in moe.py.
 """
 
 from __future__ import annotations
@@ -36,23 +39,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .distributed import SINGLE, TPInfo
 from .models.config import RopeScaling
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight, computed in float32 as Hugging Face does."""
+    """x / sqrt(mean(x^2) + eps) * weight, computed in float32 as Hugging Face does.
+
+    With `residual` (SGLang's calling convention): add x to the residual stream first and return both,
+    (rmsnorm(x + residual), x + residual), in one fused kernel on a GPU (kernels/triton_norm.py)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return kernels.rmsnorm(x, self.weight, self.eps)
+        return kernels.fused_add_rmsnorm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
@@ -98,17 +104,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2], float32, not in checkpoints
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # positions: [N]; q: [N, H, D]; k: [N, KVH, D]
-        freqs = positions[:, None].float() * self.inv_freq[None, :].float()  # [N, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
-        cos = emb.cos().to(q.dtype)[:, None, :]  # [N, 1, D], broadcast over heads
-        sin = emb.sin().to(q.dtype)[:, None, :]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        # positions: [N]; q: [N, H, D]; k: [N, KVH, D]. On a GPU one Triton kernel: angles computed in registers,
+        # no cos/sin tables or rotate_half copies (kernels/triton_rope.py); kernels/native.py is the torch version.
+        return kernels.rotary_embedding(positions, q, k, self.inv_freq)
 
 
 def copy_into(dst: torch.Tensor, loaded) -> None:
@@ -145,6 +143,19 @@ def _split(n: int, tp: TPInfo, what: str) -> int:
     if n % tp.size:
         raise ValueError(f"{what} {n} cannot be split over tp_size {tp.size}")
     return n // tp.size
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x W^T (+ b) with the whole W on every rank (a MoE layer's router: every rank needs every logit)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _param(out_features, in_features)
+        self.bias = _param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # [N, out]
 
 
 class ColumnParallelLinear(nn.Module):

@@ -88,12 +88,14 @@ class LLM:
                  progress: bool | None = None, verbose: bool = True, disable_cuda_graph: bool = False,
                  cuda_graph_max_bs: int = 64, disable_overlap: bool = False, disable_radix_cache: bool = False,
                  schedule_policy: str = "lpm", tp_size: int = 1, nnodes: int = 1, dist_init_addr: str | None = None,
-                 load_format: str = "auto"):
+                 load_format: str = "auto", moe_runner_backend: str = "auto"):
         """dtype: float32, bfloat16, float16 or "auto" (the checkpoint's). max_total_tokens / mem_fraction_static:
         the KV pool's size (engine.plan_kv_pool). max_prefill_tokens, chunked_prefill_size, schedule_conservativeness:
         admission (scheduler/prefill.py). progress: a loading progress bar (None: when stderr is a terminal).
         verbose: print one line on load with the memory report and the KV pool's size. disable_radix_cache: no
         prefix cache (stage 5's engine). schedule_policy: "lpm" (longest cached prefix first) or "fcfs".
+        moe_runner_backend: MoE layers' path, "auto" (fused Triton kernels on CUDA, else the reference), "triton"
+        or "torch" (moe.py).
 
         Stage 7: tp_size > 1 splits the model over that many ranks: this process is rank 0, the others are spawned
         (a script doing this must create the LLM under `if __name__ == "__main__":`, as with any spawned process).
@@ -110,7 +112,8 @@ class LLM:
             device=device, dtype=dtype, attention_backend=attention_backend, page_size=page_size,
             max_running_requests=max_running_requests, max_total_tokens=max_total_tokens,
             mem_fraction_static=mem_fraction_static, progress=progress, disable_cuda_graph=disable_cuda_graph,
-            cuda_graph_max_bs=cuda_graph_max_bs, load_format=load_format, max_prefill_tokens=max_prefill_tokens,
+            cuda_graph_max_bs=cuda_graph_max_bs, load_format=load_format, moe_runner_backend=moe_runner_backend,
+            max_prefill_tokens=max_prefill_tokens,
             chunked_prefill_size=chunked_prefill_size, schedule_conservativeness=schedule_conservativeness,
             log_interval=log_interval, record_stats=record_stats, disable_overlap=disable_overlap,
             disable_radix_cache=disable_radix_cache, schedule_policy=schedule_policy))
@@ -287,7 +290,7 @@ class LLM:
 
 
 ENGINE_OPTIONS = ("device", "dtype", "attention_backend", "page_size", "max_running_requests", "max_total_tokens",
-                  "mem_fraction_static", "progress", "cuda_graph_max_bs", "load_format")
+                  "mem_fraction_static", "progress", "cuda_graph_max_bs", "load_format", "moe_runner_backend")
 SCHEDULER_OPTIONS = ("max_prefill_tokens", "chunked_prefill_size", "schedule_conservativeness", "log_interval",
                      "record_stats", "disable_radix_cache", "schedule_policy")
 

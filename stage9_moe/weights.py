@@ -17,6 +17,13 @@ Name mapping (SGLang's `stacked_params_mapping`, defined by the model class):
     model.layers.0.mlp.up_proj.weight        ->  model.layers.0.mlp.gate_up_proj.weight,   shard 1
     lm_head.weight (tied embeddings)         ->  skipped: lm_head *is* model.embed_tokens
     anything else                            ->  the parameter of the same name
+
+MoE families (stage 9) map each expert's matrices into stacked parameters, with (expert_id, part) shard ids:
+
+    model.layers.0.mlp.experts.5.up_proj.weight  ->  model.layers.0.mlp.experts.w13_weight, shard (5, "w3")
+
+Their mapping depends on the checkpoint (experts stored one by one, or already stacked), so the model gives it
+for the names it is shown: `model.params_mapping(checkpoint_names)`.
 """
 
 from __future__ import annotations
@@ -97,11 +104,14 @@ def read_header(file: Path) -> dict[str, dict]:
     return dict(sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]))
 
 
-def expected_pieces(model: nn.Module) -> dict[tuple[str, object], str]:
+Mapping = list[tuple[str, str, object]]  # (param_name fragment, checkpoint_name fragment, shard_id)
+
+
+def expected_pieces(model: nn.Module, mapping: Mapping) -> dict[tuple[str, object], str]:
     """Every (parameter name, shard_id) the checkpoint must fill -> the checkpoint name that fills it."""
     pieces = {}
     for name, _ in model.named_parameters():  # a tied lm_head shares embed_tokens' tensor: listed once
-        stacked = [(p, c, s) for p, c, s in model.stacked_params_mapping if p in name]
+        stacked = [(p, c, s) for p, c, s in mapping if p in name]
         for param_frag, ckpt_frag, shard_id in stacked:
             pieces[(name, shard_id)] = name.replace(param_frag, ckpt_frag)
         if not stacked:
@@ -109,9 +119,10 @@ def expected_pieces(model: nn.Module) -> dict[tuple[str, object], str]:
     return pieces
 
 
-def map_name(model: nn.Module, ckpt_name: str) -> tuple[str, object]:
-    """Checkpoint tensor name -> (our parameter name, shard_id); shard_id None for a parameter stored whole."""
-    for param_frag, ckpt_frag, shard_id in model.stacked_params_mapping:
+def map_name(mapping: Mapping, ckpt_name: str) -> tuple[str, object]:
+    """Checkpoint tensor name -> (our parameter name, shard_id); shard_id None for a parameter stored whole.
+    The first fragment that matches wins (MoE mappings list the experts' names before the dense ones)."""
+    for param_frag, ckpt_frag, shard_id in mapping:
         if ckpt_frag in ckpt_name:
             return ckpt_name.replace(ckpt_frag, param_frag), shard_id
     return ckpt_name, None
@@ -126,20 +137,23 @@ def is_skipped(model: nn.Module, ckpt_name: str) -> bool:
 def plan_load(model: nn.Module, files: list[Path]) -> tuple[dict[tuple[Path, str], tuple[str, object]], int]:
     """Read only the headers: {(file, checkpoint name): (param name, shard_id)} in file order, and the bytes to
     stream. Raises CheckpointError naming every missing, unexpected or misshapen tensor."""
-    pieces = expected_pieces(model)
+    headers = {file: read_header(file) for file in files}
+    # The mapping may depend on the names (MoE: experts stored one by one, or stacked).
+    mapping = model.params_mapping([name for header in headers.values() for name in header])
+    pieces = expected_pieces(model, mapping)
     params = dict(model.named_parameters())
     plan: dict[tuple[Path, str], tuple[str, object]] = {}
     where: dict[str, str] = {}  # checkpoint name -> file it is in
     unexpected: list[str] = []
     total_bytes = 0
-    for file in files:
-        for name, info in read_header(file).items():
+    for file, header in headers.items():
+        for name, info in header.items():
             if name in where:
                 raise CheckpointError(f"tensor {name!r} is in both {where[name]} and {file.name}")
             where[name] = file.name
             if is_skipped(model, name):
                 continue
-            target = map_name(model, name)
+            target = map_name(mapping, name)
             if target not in pieces:
                 unexpected.append(name)
                 continue
@@ -275,7 +289,7 @@ def load_dummy_weights(model: nn.Module, seed: int = 0) -> LoadStats:
     shapes = checkpoint_shapes(model)
     device = next(model.parameters()).device
     layers = model.config.num_layers
-    for (param_name, shard_id), ckpt_name in expected_pieces(model).items():
+    for (param_name, shard_id), ckpt_name in expected_pieces(model, model.params_mapping([])).items():
         shape = shapes[ckpt_name]
         gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(ckpt_name.encode()))
         tensor = torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * _dummy_scale(
@@ -299,8 +313,8 @@ def _dummy_scale(name: str, shape, hidden: int, layers: int) -> float:
         return 1.0
     if name.endswith(".bias"):
         return 0.5
-    fan_in = shape[1]
-    if name.endswith(("o_proj.weight", "down_proj.weight")):  # what each layer writes into the residual stream
+    fan_in = shape[-1]  # a matrix's input width (also for an expert's, one of E stacked ones)
+    if name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")):  # what a layer writes into the residual
         return 6.0 / fan_in**0.5 / max(1.0, layers / 2) ** 0.5
     return 1.5 / fan_in**0.5
 
@@ -314,11 +328,13 @@ def checkpoint_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
         full = get_model_class(model.config.architecture)(model.config)
     modules = dict(full.named_modules())
     shapes = {}
-    for (param_name, shard_id), ckpt_name in expected_pieces(full).items():
-        param = full.get_parameter(param_name)
+    for (param_name, shard_id), ckpt_name in expected_pieces(full, full.params_mapping([])).items():
+        param, module = full.get_parameter(param_name), modules[param_name.rsplit(".", 1)[0]]
         if shard_id is None:
             shapes[ckpt_name] = tuple(param.shape)
+        elif hasattr(module, "checkpoint_shape"):  # stage 9: an expert's matrix (moe.FusedMoE)
+            shapes[ckpt_name] = module.checkpoint_shape(shard_id)
         else:
-            _, rows, _ = modules[param_name.rsplit(".", 1)[0]].shard_offsets[shard_id]
+            _, rows, _ = module.shard_offsets[shard_id]
             shapes[ckpt_name] = (rows, *param.shape[1:])
     return shapes

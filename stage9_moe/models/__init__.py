@@ -2,7 +2,8 @@
 
     "architectures": ["Qwen3ForCausalLM"]   ->   MODEL_REGISTRY["Qwen3ForCausalLM"]
 
-Families share one decoder (llama.py); each other file holds only what its family changes.
+Families share one decoder (llama.py); each other file holds only what its family changes. The MoE families
+(qwen3_moe.py, mixtral.py) add a router and experts (moe.py) to the layers their config makes sparse.
 """
 
 from __future__ import annotations
@@ -17,14 +18,18 @@ from ..layers import QKVParallelLinear, RMSNorm, RowParallelLinear
 from .config import ModelConfig, RopeScaling, UnsupportedModelError
 from .llama import LlamaForCausalLM
 from .mistral import MistralForCausalLM
+from .mixtral import MixtralForCausalLM
 from .qwen2 import Qwen2ForCausalLM
 from .qwen3 import Qwen3ForCausalLM
+from .qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,  # Llama 2/3/3.1/3.2, SmolLM2, TinyLlama, ...
     "Qwen2ForCausalLM": Qwen2ForCausalLM,  # Qwen2, Qwen2.5
     "Qwen3ForCausalLM": Qwen3ForCausalLM,  # Qwen3 dense
     "MistralForCausalLM": MistralForCausalLM,  # Mistral 7B
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,  # Qwen3-30B-A3B, Qwen3-235B-A22B
+    "MixtralForCausalLM": MixtralForCausalLM,  # Mixtral 8x7B, 8x22B
 }
 
 __all__ = ["MODEL_REGISTRY", "ModelConfig", "RopeScaling", "UnsupportedModelError", "get_model_class",
@@ -61,11 +66,13 @@ def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype
 
 def check_tp_size(cfg: ModelConfig, tp_size: int) -> None:
     """Refuse a tp_size that does not split the model, naming the sizes that do."""
-    valid = [n for n in valid_tp_sizes(cfg.num_heads, cfg.num_kv_heads) if cfg.intermediate_size % n == 0]
+    valid = [n for n in valid_tp_sizes(cfg.num_heads, cfg.num_kv_heads) if cfg.intermediate_size % n == 0
+             and (not cfg.num_experts or cfg.moe_intermediate_size % n == 0)]  # MoE: every expert is split too
     if tp_size not in valid:
+        moe = f", expert intermediate size {cfg.moe_intermediate_size}" if cfg.num_experts else ""
         raise ValueError(f"tp_size {tp_size} cannot split {cfg.architecture} ({cfg.num_heads} query heads, "
-                         f"{cfg.num_kv_heads} KV heads, intermediate size {cfg.intermediate_size}); valid tp sizes: "
-                         f"{', '.join(map(str, valid))}")
+                         f"{cfg.num_kv_heads} KV heads, intermediate size {cfg.intermediate_size}{moe}); valid tp "
+                         f"sizes: {', '.join(map(str, valid))}")
 
 
 def replicated_bytes(model) -> int:

@@ -1,9 +1,10 @@
 """The engine's own model config, read from a Hugging Face `config.json`.
 
-One dataclass describes every family this stage runs (Llama, Qwen2, Qwen3, Mistral): they share one decoder and
-differ only in a few flags. Reading config.json is where checkpoints silently go wrong, so `from_hf` refuses
-(UnsupportedModelError, naming the key) anything it would otherwise ignore and get wrong: an unknown RoPE scaling,
-a partial rotary, an activation other than SiLU.
+One dataclass describes every family this stage runs (Llama, Qwen2, Qwen3, Mistral, and the mixture-of-experts
+families Qwen3-MoE and Mixtral): they share one decoder and differ only in a few flags. Reading config.json is
+where checkpoints silently go wrong, so `from_hf` refuses (UnsupportedModelError, naming the key) anything it would
+otherwise ignore and get wrong: an unknown RoPE scaling, a partial rotary, an activation other than SiLU, a MoE
+feature this stage does not implement.
 
 Two spellings of the RoPE settings exist in the wild, and both are read:
 
@@ -60,6 +61,13 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3)
     sliding_window: int | None = None  # recorded; the context is capped at it (see from_hf)
     dtype: str | None = None  # the checkpoint's own dtype ("bfloat16"), used by dtype="auto"
+    # Mixture of experts (see parse_moe). num_experts == 0: a dense model, every layer has one MLP.
+    num_experts: int = 0  # experts per MoE layer (Qwen3-MoE "num_experts", Mixtral "num_local_experts")
+    num_experts_per_tok: int = 0  # top-k: how many experts each token is sent to
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width (Mixtral: its intermediate_size)
+    norm_topk_prob: bool = False  # rescale the k chosen probabilities to sum to 1 (Mixtral always does)
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % decoder_sparse_step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and it is not listed here (those keep a dense MLP)
 
     @property
     def q_size(self) -> int:
@@ -68,6 +76,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Does layer `layer_id` route its tokens to experts? transformers' Qwen3MoeDecoderLayer rule."""
+        return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
@@ -110,6 +123,7 @@ class ModelConfig:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_window=window,
             dtype=hf.get("dtype") or hf.get("torch_dtype"),
+            **parse_moe(hf),
         )
 
 
@@ -131,6 +145,54 @@ def parse_rope(hf: dict) -> tuple[float, RopeScaling]:
         raise ValueError(f"rope scaling {rope_type!r} needs {missing} in config.json, got {rope}")
     known = {k: rope[k] for k in _ROPE_KEYS[rope_type]}
     return theta, RopeScaling(rope_type=rope_type, **known)
+
+
+# MoE features of other families that change the computation; this stage implements none of them. Each key's value
+# that means "not used": a config with any other value is refused, naming the key.
+_UNSUPPORTED_MOE_KEYS = {
+    "shared_expert_intermediate_size": 0,  # Qwen2-MoE: a shared expert every token also goes through
+    "n_shared_experts": 0, "num_shared_experts": 0,  # DeepSeek / others: shared experts
+    "n_group": 1, "topk_group": 1,  # DeepSeek-V3: grouped top-k (choose groups of experts first)
+    "scoring_func": "softmax",  # DeepSeek-V3: sigmoid router scores
+    "routed_scaling_factor": 1.0,  # DeepSeek: scales the routed experts' sum
+    "first_k_dense_replace": 0, "moe_layer_freq": 1,  # DeepSeek's spelling of which layers are dense
+}
+
+
+def parse_moe(hf: dict) -> dict:
+    """The MoE fields of ModelConfig, from either family's spelling ({} for a dense model).
+
+        Qwen3-MoE (Hub):           "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                                   "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": []
+        Qwen3-MoE (transformers 5 save_pretrained): the same, but "num_local_experts" instead of "num_experts"
+        Mixtral:                   "num_local_experts": 8, "num_experts_per_tok": 2; each expert is
+                                   intermediate_size wide; the top-2 are always renormalised (models/mixtral.py)
+    """
+    spellings = {k: hf[k] for k in ("num_experts", "num_local_experts") if hf.get(k)}
+    if len(set(spellings.values())) > 1:
+        raise ValueError(f"config.json gives two different expert counts: {spellings}")
+    num_experts = int(next(iter(spellings.values()), 0))
+    if num_experts == 0:
+        return {}
+    for key, unused in _UNSUPPORTED_MOE_KEYS.items():
+        if hf.get(key) not in (None, unused):
+            raise UnsupportedModelError(f"{key}={hf[key]!r}: this stage's MoE layer has plain softmax top-k "
+                                        f"routing over {num_experts} routed experts only")
+    top_k = hf.get("num_experts_per_tok")
+    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok must be an int in [1, {num_experts}], got {top_k!r}")
+    step = hf.get("decoder_sparse_step", 1)
+    step = 1 if step is None else step
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"decoder_sparse_step must be an int >= 1, got {step!r}")
+    dense = tuple(hf.get("mlp_only_layers") or ())
+    bad = [i for i in dense if not isinstance(i, int) or not 0 <= i < hf["num_hidden_layers"]]
+    if bad:
+        raise ValueError(f"mlp_only_layers {bad} are not layer indices of a {hf['num_hidden_layers']}-layer model")
+    return dict(num_experts=num_experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)), decoder_sparse_step=step,
+                mlp_only_layers=dense)
 
 
 def _sliding_window(hf: dict) -> int | None:

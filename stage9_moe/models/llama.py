@@ -1,5 +1,6 @@
 """The decoder every family of this stage shares. Qwen2, Qwen3 and Mistral are this code with a flag or two
-(models/qwen2.py, qwen3.py, mistral.py). Read it top to bottom: attention, MLP, one layer, the stack, the head.
+(models/qwen2.py, qwen3.py, mistral.py); Qwen3-MoE and Mixtral swap the MLP of their sparse layers for a router and
+experts (models/qwen3_moe.py, mixtral.py). Read it top to bottom: attention, MLP, one layer, the stack, the head.
 
     LlamaForCausalLM
       model: LlamaModel
@@ -9,24 +10,25 @@
           self_attn: LlamaAttention        qkv_proj (merged), q_norm/k_norm (Qwen3), rotary_emb, o_proj
           post_attention_layernorm         RMSNorm
           mlp: LlamaMLP                    gate_up_proj (merged), down_proj
+               or the family's moe_block   gate (router), experts: FusedMoE (moe.py)   [MoE layers]
         norm                               RMSNorm
       lm_head                              [vocab, hidden], or embed_tokens itself when tied
 
 Parameter names are the checkpoint's ("model.layers.0.self_attn.o_proj.weight"), except the two merged layers,
-which `stacked_params_mapping` describes to the loader (weights.py).
+which `stacked_params_mapping` describes to the loader (weights.py), and the stacked experts (`params_mapping`).
 
 Stage 7: with tensor parallelism (`tp`, layers.py) each rank holds H/tp query heads (and their KV heads), a slice
 of the MLP's intermediate size and of the vocabulary; the code below is the same on every rank, and the shapes in
-the comments are this rank's. Two all-reduces per layer (after o_proj and after down_proj) make every rank's
-residual stream [N, hidden] whole again.
+the comments are this rank's. Two all-reduces per layer (after o_proj and after down_proj, or after the experts)
+make every rank's residual stream [N, hidden] whole again.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..attention import ForwardBatch
 from ..distributed import SINGLE, TPInfo
 from ..layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding,
@@ -81,38 +83,53 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, inter / tp] each
-        return self.down_proj(F.silu(gate) * up)  # [N, hidden], all-reduced
+        gate_up = self.gate_up_proj(x)  # [N, 2 * inter / tp]: this rank's gate | up
+        return self.down_proj(kernels.silu_and_mul(gate_up))  # [N, hidden], all-reduced
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPInfo = SINGLE):
+    """Attention and MLP, each behind an RMSNorm and added to the residual stream.
+
+    SGLang's form, which lets each add be fused into the norm that follows it (kernels.fused_add_rmsnorm):
+    a layer takes and returns (hidden, residual), and the add of its output happens in the next norm.
+    The mlp is dense, or, in the sparse layers of a MoE family, the family's `moe_block` (router + experts)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPInfo = SINGLE,
+                 moe_block: type[nn.Module] | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, tp)
+        sparse = moe_block is not None and cfg.is_moe_layer(layer_id)
+        self.mlp = moe_block(cfg, tp) if sparse else LlamaMLP(cfg, tp)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, fb)  # [N, hidden]
-        x = x + self.mlp(self.post_attention_layernorm(x))  # [N, hidden]
-        return x
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:  # the first layer: the residual stream is the embedding itself
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)  # residual += previous layer's MLP output
+        hidden = self.self_attn(hidden, positions, fb)  # [N, hidden]
+        hidden, residual = self.post_attention_layernorm(hidden, residual)  # residual += attention output
+        return self.mlp(hidden), residual  # [N, hidden] each
 
 
 class LlamaModel(nn.Module):
     """embed -> N x decoder layer -> final norm: the "model." part of checkpoint names."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPInfo = SINGLE):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo = SINGLE, moe_block: type[nn.Module] | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, moe_block) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [N, hidden]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.embed_tokens(input_ids), None  # [N, hidden]
         for layer in self.layers:
-            x = layer(x, positions, fb)  # [N, hidden]
-        return x  # the final norm is applied by the caller, to the rows it keeps
+            hidden, residual = layer(hidden, residual, positions, fb)
+        # The last MLP output is not added yet: the caller's final norm does it, fused, on the rows it keeps.
+        return hidden, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -128,10 +145,12 @@ class LlamaForCausalLM(nn.Module):
     # Tensors some checkpoints carry that the model recomputes itself (old Llama exports saved RoPE's inv_freq).
     ignored_checkpoint_suffixes = ("rotary_emb.inv_freq",)
 
+    moe_block: type[nn.Module] | None = None  # MoE families: the router + experts block of their sparse layers
+
     def __init__(self, cfg: ModelConfig, tp: TPInfo = SINGLE):
         super().__init__()
         self.config, self.tp = cfg, tp
-        self.model = LlamaModel(cfg, tp)
+        self.model = LlamaModel(cfg, tp, self.moe_block)
         if cfg.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens  # one [vocab, hidden] matrix used both ways, stored once
         else:
@@ -140,7 +159,13 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """input_ids, positions: [N] packed tokens of B requests -> logits [B, vocab] of each one's last token."""
-        x = self.model(input_ids, positions, fb)  # [N, hidden]
+        hidden, residual = self.model(input_ids, positions, fb)  # [N, hidden] each
         # Only each request's last token predicts its next token: gather B rows before the big LM-head matmul.
-        x = self.model.norm(x[fb.last_token_indices])  # [B, hidden]
+        last = fb.last_token_indices
+        x, _ = self.model.norm(hidden[last], residual[last])  # [B, hidden]: the last add, fused into the norm
         return self.lm_head.logits(x)  # [B, vocab]: each rank's share of the vocabulary, all-gathered
+
+    def params_mapping(self, checkpoint_names) -> list[tuple[str, str, object]]:
+        """The (param_name, checkpoint_name, shard_id) fragments the loader uses for this checkpoint (weights.py).
+        Dense families have one layout; MoE families look at the names to tell how the experts are stored."""
+        return self.stacked_params_mapping
