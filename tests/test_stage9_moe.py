@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.golden import load_golden
+from common.golden import failures, load_golden
 from common.models import resolve_model
 from stage9_moe import LLM, CheckpointError, SamplingParams, UnsupportedModelError, kernels
 from stage9_moe.attention import ForwardBatch
@@ -402,3 +403,49 @@ def test_gpu_benchmark_rehearses_on_a_cpu(tmp_path):
     assert [m["model"] for m in report["models"]] == ["dense Qwen3", "Qwen3-MoE, moe_runner_backend=torch"]
     assert report["tests"]["exit_code"] == 0 and "skipped" in report["tests"]["summary"]
     assert (tmp_path / "stage9_gpu.md").read_text().count("|") > 20 and (tmp_path / "stage9_pytest_cuda.txt").exists()
+
+
+# ---------------------------------------------------------------- stage 8's engine, with MoE models in it
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-mixtral"])
+def test_golden_at_tp_2(name):
+    """Each rank holds half of every expert's intermediate width; one all-reduce per MoE layer."""
+    golden = load_golden(name)
+    with LLM(str(resolve_model(name)), tp_size=2, max_total_tokens=8192, verbose=False) as llm:
+        experts = next(m for m in llm.engine.model.modules() if type(m).__name__ == "FusedMoE")
+        assert experts.tp_size == 2 and experts.w13_weight.shape[1] == experts.intermediate_size  # 2 * I / 2
+        results = llm.generate([c["prompt"] for c in golden["cases"]],
+                               SamplingParams(max_new_tokens=golden["max_new_tokens"]))
+    problems = failures(results, golden)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_moe_model_served_gives_the_golden_tokens():
+    """python -m stage9_moe serves a MoE model: the openai client gets the golden completions."""
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+    openai = pytest.importorskip("openai")
+
+    golden = load_golden("tiny-qwen3-moe")
+    cases = [c for c in golden["cases"] if isinstance(c["prompt"], str)]
+    proc = subprocess.Popen([sys.executable, "-m", "stage9_moe", "--model", str(resolve_model("tiny-qwen3-moe")),
+                             "--port", "0", "--quiet", "--served-model-name", "moe", "--max-total-tokens", "8192"],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        url = next(line.split(" at ")[1].split()[0] for line in proc.stdout if line.startswith("serving "))
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        for case in cases:
+            comp = client.completions.create(model="moe", prompt=case["prompt"], temperature=0,
+                                             max_tokens=golden["max_new_tokens"])
+            assert comp.choices[0].text == case["text"], case["name"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
