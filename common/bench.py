@@ -1,7 +1,8 @@
 """Benchmarks that print ratios against peers measured in the same run (never timed tests).
 
     python -m common.bench batch  [--model M] [--num-requests 16] [--max-new-tokens 32]    stage 2 vs stage 1 vs HF
-    python -m common.bench offline [--model M] [--num-requests 64] [--max-new-tokens 128]  stage 4 vs stage 2 vs HF
+    python -m common.bench offline [--model M] [--num-requests 64] [--max-new-tokens 128] [--kv-cache-mb 0]
+                                                            stage 4 vs stage 2 vs HF generate vs HF generate_batch
     python -m common.bench load   [--model M] [--repeats 3]               stage 3 loader vs HF from_pretrained
     python -m common.bench overlap [--model M] [--num-requests 32] [--max-new-tokens 64]  stage 5 overlap on vs off
 
@@ -80,6 +81,58 @@ def run_hf(hf_model, work: Workload, batch_size: int, pad_id: int) -> tuple[floa
                                     do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad_id)
             for j, row in enumerate(out[:, width:].tolist()):
                 outputs.append(row[: work.max_new_tokens[i + j]])
+
+    return timed(go), outputs
+
+
+def fitting_kv_bytes(hf_config, work: Workload, page_size: int) -> int:
+    """A float32 KV pool that holds every request of the workload at once, prompt and output, as HF generate's one
+    padded batch does: the paged engines are then limited by compute, not by a memory budget."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    bytes_per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * 4  # K and V
+    pages = sum(-(-(len(p) + n) // page_size) for p, n in zip(work.prompts, work.max_new_tokens))
+    return pages * page_size * bytes_per_token
+
+
+def hf_cb_config(num_pages: int, page_size: int, max_running: int, max_prefill_tokens: int):
+    """transformers' continuous batching sized like our engine: the same KV memory in pages of the same size, the
+    same running-request and per-step token limits. Block sharing (its prefix cache) off: ours has none until stage
+    6, and the warm-up's blocks would otherwise be reused by the measured run."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    return ContinuousBatchingConfig(page_size=page_size, num_blocks=num_pages,
+                                    max_requests_per_batch=max_running, max_batch_tokens=max_prefill_tokens,
+                                    allow_block_sharing=False)
+
+
+def run_hf_cb(hf_model, work: Workload, cb_config) -> tuple[float, list[list[int]]]:
+    """transformers' own continuous batching, the engine behind `model.generate_batch` (paged KV cache, a scheduler,
+    the model's SDPA attention on the CPU). `generate_batch` takes one max_new_tokens for all prompts and our
+    workload gives each its own, so this drives the same manager the way generate_batch does (its context manager,
+    then one add_request per prompt), greedy, EOS ignored (eos_token_id=-1). The manager is kept between calls
+    (persistent_manager), so its KV cache is allocated by the warm-up, as our engine's pool is at construction."""
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(work.max_new_tokens))
+    outputs: list[list[int]] = []
+
+    def go():
+        with hf_model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb_config,
+                                                          persistent_manager=True) as manager:
+            ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1)
+                   for p, n in zip(work.prompts, work.max_new_tokens)]
+            done: dict = {}
+            while len(done) < len(ids):
+                result = manager.get_result(timeout=1)
+                if result is None:
+                    if not manager.is_running():
+                        raise RuntimeError("transformers' continuous batching stopped before finishing")
+                    continue
+                if result.error is not None:
+                    raise RuntimeError(f"transformers' continuous batching failed a request: {result.error}")
+                if result.is_finished():
+                    done[result.request_id] = list(result.generated_tokens)
+        outputs.extend(done[i] for i in ids)
 
     return timed(go), outputs
 
@@ -196,7 +249,7 @@ def bench_load(args) -> None:
 
 def bench_offline(args) -> None:
     """SGLang's bench_offline_throughput shape: all requests submitted at once, mixed input and output lengths."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from common.models import resolve_model
 
@@ -208,21 +261,38 @@ def bench_offline(args) -> None:
     work = mixed_workload(tok, args.num_requests, args.max_new_tokens, seed=1, vary_output=True)
     header(f"offline throughput: {args.model}, {args.num_requests} requests, prompts 8-256 tokens, outputs "
            f"{max(1, args.max_new_tokens // 4)}-{args.max_new_tokens} tokens, {work.output_tokens} output tokens")
-    llm4 = stage4_scheduler.LLM(str(path), attention_backend="torch", max_running_requests=args.num_requests)
+    page_size = 16
+    kv_bytes = args.kv_cache_mb << 20 if args.kv_cache_mb else fitting_kv_bytes(AutoConfig.from_pretrained(str(path)),
+                                                                              work, page_size)
+    llm4 = stage4_scheduler.LLM(str(path), attention_backend="torch", max_running_requests=args.num_requests,
+                                kv_cache_bytes=kv_bytes, page_size=page_size)
     llm2 = stage2_batch.LLM(str(path), attention_backend="torch", max_batch_size=args.num_requests)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    run_stage("stage4_scheduler", llm4, Workload(work.prompts[:2], [2, 2]))  # warm-up
+    pool = llm4.engine.kv_pool
+    cb_config = hf_cb_config(pool.num_pages, pool.page_size, args.num_requests, llm4.scheduler.max_prefill_tokens)
+    warm = Workload(work.prompts[:2], [2, 2])
+    run_stage("stage4_scheduler", llm4, warm)  # warm-ups: first calls pay for allocation and one-time setup
+    run_stage("stage2_batch", llm2, warm)
+    run_hf(hf, warm, args.num_requests, tok.pad_token_id or 0)
+    run_hf_cb(hf, warm, cb_config)
 
     t4, ids4 = run_stage("stage4_scheduler", llm4, work)
     t2, ids2 = run_stage("stage2_batch", llm2, work)
     t_hf, ids_hf = run_hf(hf, work, args.num_requests, tok.pad_token_id or 0)
+    t_cb, ids_cb = run_hf_cb(hf, work, cb_config)
+    hf.destroy_cached_continuous_batching_manager()
     input_tokens = sum(map(len, work.prompts))
-    print(f"   input tokens {input_tokens}, output tokens {work.output_tokens}")
+    print(f"   input tokens {input_tokens}, output tokens {work.output_tokens}; stage 4 and HF generate_batch: KV pool "
+          f"of {pool.num_pages} pages of {pool.page_size} tokens ({kv_bytes / 2**20:.0f} MiB"
+          f"{'' if args.kv_cache_mb else ', every request at once'}), at most {cb_config.max_batch_tokens} new "
+          f"tokens per step; HF attention {hf.config._attn_implementation!r}")
     report([("stage 4, continuous batching + paged KV", t4), ("stage 2, static batching", t2),
-            ("HF transformers generate, padded batch", t_hf)], work.output_tokens,
-           "HF transformers generate, padded batch")
-    print(f"   stage 4 == stage 2 tokens for {sum(a == b for a, b in zip(ids4, ids2))}/{len(ids2)} requests; "
-          f"== HF for {sum(a == b for a, b in zip(ids4, ids_hf))}/{len(ids_hf)} (HF pads, which moves float sums)")
+            ("HF transformers generate, padded batch", t_hf), ("HF transformers generate_batch (continuous)", t_cb)],
+           work.output_tokens, "HF transformers generate, padded batch")
+    agree = lambda other: sum(a == b for a, b in zip(ids4, other))  # noqa: E731
+    print(f"   stage 4 == stage 2 tokens for {agree(ids2)}/{len(ids2)} requests; == HF generate for "
+          f"{agree(ids_hf)}/{len(ids_hf)} (HF pads, which moves float sums); == HF generate_batch for "
+          f"{agree(ids_cb)}/{len(ids_cb)}")
 
 
 def bench_overlap(args) -> None:
@@ -271,10 +341,13 @@ def main(argv: list[str] | None = None) -> None:
     load = sub.add_parser("load", help="stage 3 loading time and peak RSS vs HF from_pretrained (fresh processes)")
     load.add_argument("--model", default="smollm2-135m-instruct")
     load.add_argument("--repeats", type=int, default=3)
-    offline = sub.add_parser("offline", help="stage 4 continuous batching vs stage 2 vs HF generate")
+    offline = sub.add_parser("offline", help="stage 4 continuous batching vs stage 2 vs HF generate / generate_batch")
     offline.add_argument("--model", default="smollm2-135m-instruct")
     offline.add_argument("--num-requests", type=int, default=64)
     offline.add_argument("--max-new-tokens", type=int, default=128)
+    offline.add_argument("--kv-cache-mb", type=int, default=0,
+                         help="KV pool of stage 4 and HF generate_batch in MiB (default 0: just enough to hold "
+                              "every request at once)")
     overlap = sub.add_parser("overlap", help="stage 5 overlap scheduling on vs off (CPU)")
     overlap.add_argument("--model", default="smollm2-135m-instruct")
     overlap.add_argument("--num-requests", type=int, default=32)
