@@ -252,7 +252,7 @@ def random_layout(reqs, H, KVH, D, page_size, phase, shared_pages=0, seed=0):
         out_cache_loc=loc, req_rows=rows, prefix_lens=torch.tensor([p for p, _ in reqs], dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32), cu_seqlens=cu, max_seqlen=max(new_lens),
         max_seq_len=max(seq_lens), prefix_lens_cpu=[p for p, _ in reqs], seq_lens_cpu=seq_lens,
-        last_token_indices=cu[1:].long() - 1, kv_pool=SimpleNamespace(page_size=page_size, k=k_cache),
+        last_token_indices=cu[1:].long() - 1, kv_pool=SimpleNamespace(page_size=page_size),
         page_table=page_table,
         attn_backend=None)
     return q, k, v, k_cache, v_cache, fb

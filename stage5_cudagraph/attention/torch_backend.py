@@ -37,7 +37,7 @@ class DecodeGroup:
 
     first: int
     kv_indices: torch.Tensor  # [g * L] pool slots, request by request; a short one repeats its last key as padding
-    mask: torch.Tensor  # [g, 1, 1, L] float: 0 for a request's own keys, -inf for the padding
+    mask: torch.Tensor  # [g, 1, 1, L] float32: 0 for a request's own keys, -inf for the padding
 
 
 @dataclass
@@ -63,7 +63,7 @@ def build_kv_indices(fb: ForwardBatch) -> tuple[list[int], torch.Tensor]:
     return kv_indptr, pages * ps + pos % ps
 
 
-def plan_decode_groups(lens: list[int], kv_indptr: list[int], kv_indices: torch.Tensor, dtype: torch.dtype):
+def plan_decode_groups(lens: list[int], kv_indptr: list[int], kv_indices: torch.Tensor):
     """Sort the requests by length and cut where a group's longest would exceed twice its shortest."""
     dev = kv_indices.device
     order = sorted(range(len(lens)), key=lens.__getitem__)  # shortest first
@@ -78,8 +78,9 @@ def plan_decode_groups(lens: list[int], kv_indptr: list[int], kv_indices: torch.
         g_starts = torch.tensor([kv_indptr[b] for b in members], device=dev)[:, None]
         j = torch.arange(L, device=dev)[None, :]  # [1, L]
         idx = g_starts + torch.minimum(j, g_lens - 1)  # [g, L] into kv_indices; padding repeats the last key
-        # An additive mask in the model's dtype, made once here (SDPA would convert a bool mask in every layer).
-        mask = torch.zeros(len(members), 1, 1, L, dtype=dtype, device=dev)
+        # An additive float32 mask (SDPA takes it with any query dtype), made once here: SDPA would otherwise turn
+        # a bool mask into one in every layer.
+        mask = torch.zeros(len(members), 1, 1, L, dtype=torch.float32, device=dev)
         mask.masked_fill_((j >= g_lens)[:, None, None, :], float("-inf"))
         groups.append(DecodeGroup(first, kv_indices[idx.flatten()], mask))
         first = last + 1
@@ -93,8 +94,7 @@ class TorchBackend(AttentionBackend):
         kv_indptr, kv_indices = build_kv_indices(fb)
         fb.attn_metadata = meta = TorchAttnMetadata(kv_indptr, kv_indices)
         if fb.phase == "decode":
-            meta.order, meta.decode_groups = plan_decode_groups(fb.seq_lens_cpu, kv_indptr, kv_indices,
-                                                                fb.kv_pool.k.dtype)
+            meta.order, meta.decode_groups = plan_decode_groups(fb.seq_lens_cpu, kv_indptr, kv_indices)
 
     def prefill(self, q, k, v, k_cache, v_cache, fb: ForwardBatch, scale):
         # q: [N, H, D]. One causal attention per request over [its cached prefix + its new tokens].
