@@ -1,13 +1,15 @@
 """Benchmarks that print ratios against peers measured in the same run (never timed tests).
 
     python -m common.bench batch  [--model M] [--num-requests 16] [--max-new-tokens 32]    stage 2 vs stage 1 vs HF
-    python -m common.bench offline [--model M] [--num-requests 64] [--max-new-tokens 128]  stage 4 vs stage 2 vs HF
+    python -m common.bench offline [--model M] [--num-requests 64] [--max-new-tokens 128] [--max-total-tokens N]
+                                                            stage 4 vs stage 2 vs HF generate vs HF generate_batch
     python -m common.bench load   [--model M] [--repeats 3]               stage 3 loader vs HF from_pretrained
     python -m common.bench overlap [--model M] [--num-requests 32] [--max-new-tokens 64]  stage 5 overlap on vs off
     python -m common.bench radix  [--model M] [--workloads shared multiturn random]  stage 6 prefix cache (bench_radix.py)
     python -m common.bench tp     [--model qwen3-32b-2l] [--tp 1 2 4] [--plan]  stage 7 tensor parallelism (bench_tp.py)
     python -m common.bench serving [--model M] [--request-rates 1 4 inf]  stage 8 server vs transformers serve
     python -m common.bench moe    [--device cpu|cuda] [--repeats 5]        stage 9 MoE layer paths; dense vs MoE LLM
+    python -m common.bench progression [--num-requests 32] [--out DIR]  one workload through stages 1-9 and HF
 
 Every workload is greedy with ignore_eos (HF: min_new_tokens = max_new_tokens), so every system generates exactly
 the same number of tokens and tokens/s compares like with like.
@@ -84,6 +86,55 @@ def run_hf(hf_model, work: Workload, batch_size: int, pad_id: int) -> tuple[floa
                                     do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad_id)
             for j, row in enumerate(out[:, width:].tolist()):
                 outputs.append(row[: work.max_new_tokens[i + j]])
+
+    return timed(go), outputs
+
+
+def fitting_tokens(work: Workload, page_size: int) -> int:
+    """KV tokens (whole pages) that hold every request of the workload at once, prompt and output, as HF generate's
+    one padded batch does."""
+    return sum(-(-(len(p) + n) // page_size) for p, n in zip(work.prompts, work.max_new_tokens)) * page_size
+
+
+def hf_cb_config(num_pages: int, page_size: int, max_running: int, max_prefill_tokens: int):
+    """transformers' continuous batching sized like our engine: the same KV memory in pages of the same size, the
+    same running-request and per-step token limits. Block sharing (its prefix cache) off: ours has none until stage
+    6, and the warm-up's blocks would otherwise be reused by the measured run."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    return ContinuousBatchingConfig(page_size=page_size, num_blocks=num_pages,
+                                    max_requests_per_batch=max_running, max_batch_tokens=max_prefill_tokens,
+                                    allow_block_sharing=False)
+
+
+def run_hf_cb(hf_model, work: Workload, cb_config) -> tuple[float, list[list[int]]]:
+    """transformers' own continuous batching, the engine behind `model.generate_batch` (paged KV cache, a scheduler,
+    the model's SDPA attention on the CPU). `generate_batch` takes one max_new_tokens for all prompts and our
+    workload gives each its own, so this drives the same manager the way generate_batch does (its context manager,
+    then one add_request per prompt), greedy, EOS ignored (eos_token_id=-1). The manager is kept between calls
+    (persistent_manager), so its KV cache is allocated by the warm-up, as our engine's pool is at construction."""
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(work.max_new_tokens))
+    outputs: list[list[int]] = []
+
+    def go():
+        with hf_model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb_config,
+                                                          persistent_manager=True) as manager:
+            ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1)
+                   for p, n in zip(work.prompts, work.max_new_tokens)]
+            done: dict = {}
+            while len(done) < len(ids):
+                result = manager.get_result(timeout=1)
+                if result is None:
+                    if not manager.is_running():
+                        raise RuntimeError("transformers' continuous batching stopped before finishing")
+                    continue
+                if result.error is not None:
+                    raise RuntimeError(f"transformers' continuous batching failed a request: {result.error}")
+                if result.is_finished():
+                    done[result.request_id] = list(result.generated_tokens)
+        outputs.extend(done[i] for i in ids)
 
     return timed(go), outputs
 
@@ -212,21 +263,39 @@ def bench_offline(args) -> None:
     work = mixed_workload(tok, args.num_requests, args.max_new_tokens, seed=1, vary_output=True)
     header(f"offline throughput: {args.model}, {args.num_requests} requests, prompts 8-256 tokens, outputs "
            f"{max(1, args.max_new_tokens // 4)}-{args.max_new_tokens} tokens, {work.output_tokens} output tokens")
-    llm4 = stage4_scheduler.LLM(str(path), attention_backend="torch", max_running_requests=args.num_requests)
+    page_size = 16
+    llm4 = stage4_scheduler.LLM(str(path), attention_backend="torch", max_running_requests=args.num_requests,
+                                max_total_tokens=args.max_total_tokens, page_size=page_size)
     llm2 = stage2_batch.LLM(str(path), attention_backend="torch", max_batch_size=args.num_requests)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    run_stage("stage4_scheduler", llm4, Workload(work.prompts[:2], [2, 2]))  # warm-up
+    pool = llm4.engine.kv_pool
+    chunk = llm4.scheduler.chunked_prefill_size
+    cb_config = hf_cb_config(pool.num_pages, pool.page_size, args.num_requests,
+                             chunk if chunk > 0 else llm4.scheduler.max_prefill_tokens)
+    needed = fitting_tokens(work, page_size)
+    warm = Workload(work.prompts[:2], [2, 2])
+    run_stage("stage4_scheduler", llm4, warm)  # warm-ups: first calls pay for allocation and one-time setup
+    run_stage("stage2_batch", llm2, warm)
+    run_hf(hf, warm, args.num_requests, tok.pad_token_id or 0)
+    run_hf_cb(hf, warm, cb_config)
 
     t4, ids4 = run_stage("stage4_scheduler", llm4, work)
     t2, ids2 = run_stage("stage2_batch", llm2, work)
     t_hf, ids_hf = run_hf(hf, work, args.num_requests, tok.pad_token_id or 0)
+    t_cb, ids_cb = run_hf_cb(hf, work, cb_config)
+    hf.destroy_cached_continuous_batching_manager()
     input_tokens = sum(map(len, work.prompts))
-    print(f"   input tokens {input_tokens}, output tokens {work.output_tokens}")
+    print(f"   input tokens {input_tokens}, output tokens {work.output_tokens}; stage 4 and HF generate_batch: KV pool "
+          f"of {pool.num_pages} pages of {pool.page_size} tokens ({pool.num_pages * pool.page_size} tokens; every "
+          f"request at once needs {needed}), at most {cb_config.max_batch_tokens} new prefill tokens per step; "
+          f"HF attention {hf.config._attn_implementation!r}")
     report([("stage 4, continuous batching + paged KV", t4), ("stage 2, static batching", t2),
-            ("HF transformers generate, padded batch", t_hf)], work.output_tokens,
-           "HF transformers generate, padded batch")
-    print(f"   stage 4 == stage 2 tokens for {sum(a == b for a, b in zip(ids4, ids2))}/{len(ids2)} requests; "
-          f"== HF for {sum(a == b for a, b in zip(ids4, ids_hf))}/{len(ids_hf)} (HF pads, which moves float sums)")
+            ("HF transformers generate, padded batch", t_hf), ("HF transformers generate_batch (continuous)", t_cb)],
+           work.output_tokens, "HF transformers generate, padded batch")
+    agree = lambda other: sum(a == b for a, b in zip(ids4, other))  # noqa: E731
+    print(f"   stage 4 == stage 2 tokens for {agree(ids2)}/{len(ids2)} requests; == HF generate for "
+          f"{agree(ids_hf)}/{len(ids_hf)} (HF pads, which moves float sums); == HF generate_batch for "
+          f"{agree(ids_cb)}/{len(ids_cb)}")
 
 
 def bench_overlap(args) -> None:
@@ -275,22 +344,26 @@ def main(argv: list[str] | None = None) -> None:
     load = sub.add_parser("load", help="stage 3 loading time and peak RSS vs HF from_pretrained (fresh processes)")
     load.add_argument("--model", default="smollm2-135m-instruct")
     load.add_argument("--repeats", type=int, default=3)
-    offline = sub.add_parser("offline", help="stage 4 continuous batching vs stage 2 vs HF generate")
+    offline = sub.add_parser("offline", help="stage 4 continuous batching vs stage 2 vs HF generate / generate_batch")
     offline.add_argument("--model", default="smollm2-135m-instruct")
     offline.add_argument("--num-requests", type=int, default=64)
     offline.add_argument("--max-new-tokens", type=int, default=128)
+    offline.add_argument("--max-total-tokens", type=int, default=None,
+                         help="KV pool of stage 4 and HF generate_batch in tokens (default: stage 4 sizes it from "
+                              "memory, as its command line does)")
     overlap = sub.add_parser("overlap", help="stage 5 overlap scheduling on vs off (CPU)")
     overlap.add_argument("--model", default="smollm2-135m-instruct")
     overlap.add_argument("--num-requests", type=int, default=32)
     overlap.add_argument("--max-new-tokens", type=int, default=64)
     overlap.add_argument("--repeats", type=int, default=3)
     # later stages' benchmarks live in their own modules
-    from common import bench_moe, bench_radix, bench_serving, bench_tp
+    from common import bench_moe, bench_progression, bench_radix, bench_serving, bench_tp
 
     bench_radix.add_parser(sub)
     bench_tp.add_parser(sub)
     bench_serving.add_parser(sub)
     bench_moe.add_parser(sub)
+    bench_progression.add_parser(sub)
     args = parser.parse_args(argv)
     commands = {"batch": bench_batch, "load": bench_load, "offline": bench_offline, "overlap": bench_overlap}
     (commands.get(args.cmd) or args.func)(args)

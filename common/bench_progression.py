@@ -31,9 +31,9 @@ def stage_llm(stage, name: str, path: str, num_requests: int):
 
 
 def bench_progression(args) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.bench import Workload, fitting_kv_bytes, header, hf_cb_config, mixed_workload, run_hf, run_hf_cb, \
+    from common.bench import Workload, fitting_tokens, header, hf_cb_config, mixed_workload, run_hf, run_hf_cb, \
         run_stage
     from common.golden import discover_stages
     from common.models import resolve_model
@@ -63,10 +63,8 @@ def bench_progression(args) -> None:
     seconds, tokens["hf"] = run_hf(hf, work, args.num_requests, pad)
     rows.append(("HF generate", seconds))
     page_size = 16
-    pages = fitting_kv_bytes(AutoConfig.from_pretrained(path), work, page_size) // (
-        page_size * 2 * hf.config.num_hidden_layers * hf.config.num_key_value_heads
-        * (getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads) * 4)
-    cb = hf_cb_config(int(pages), page_size, args.num_requests, 512)
+    pages = fitting_tokens(work, page_size) // page_size
+    cb = hf_cb_config(pages, page_size, args.num_requests, 512)
     run_hf_cb(hf, warm, cb)
     seconds, tokens["hf_cb"] = run_hf_cb(hf, work, cb)
     hf.destroy_cached_continuous_batching_manager()

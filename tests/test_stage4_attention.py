@@ -1,6 +1,6 @@
-"""Stage 4's paged attention backends: the torch reference against a naive formula on contiguous per-request tensors,
-our triton kernels against torch (on a CPU through Triton's interpreter), flash_attn against torch on a GPU, and
-create_backend's choices.
+"""Stage 4's paged attention backends: the torch reference against a naive formula on contiguous per-request tensors
+and its varlen layout against the padded form on random page layouts, our triton kernels against torch (on a CPU
+through Triton's interpreter), flash_attn against torch on a GPU, and create_backend's choices.
 
 Every batch is built the way the engine lays it out: a pool of random pages (garbage everywhere a request does not
 own), each request's pages drawn from a shuffled list (non-contiguous, out of order), page-table rows shuffled too,
@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():  # before anything imports triton (tests/conftest.py does the same)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -177,6 +178,7 @@ def max_err(a, b):
 
 def run(backend, d, scale):
     fb = d["fb"]
+    backend.init_forward_metadata(fb)  # what the engine does once per forward pass
     if fb.phase == "prefill":
         return backend.prefill(d["q"], d["k"], d["v"], d["k_cache"], d["v_cache"], fb, scale)
     return backend.decode(d["q"], d["k_cache"], d["v_cache"], fb, scale)
@@ -208,6 +210,136 @@ def test_torch_decode_matches_naive_formula(page_size):
     for b in range(len(reqs)):  # the one query is the newest token: it sees all seq_len keys
         ref = naive_attention(d["q"][b : b + 1], d["k_full"][b], d["v_full"][b], D**-0.5)
         assert max_err(out[b : b + 1], ref) < 1e-5, f"request {b} {reqs[b]}"
+
+
+# ---------------------------------------------------------------- the varlen layout against the padded form
+
+
+def random_layout(reqs, H, KVH, D, page_size, phase, shared_pages=0, seed=0):
+    """reqs: [(prefix_len, new_len)]. A pool of random values (one layer) read through a random page table: pages
+    handed out shuffled, rows shuffled, unused entries pointing anywhere. The first `shared_pages` pages of every
+    request are the SAME pages (a prefix shared by all, as a prefix cache makes); they must lie inside every prefix.
+    The packed new K/V are what the pool holds at their slots, as after `store`. Returns (q, k, v, k_cache, v_cache,
+    fb)."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(reqs)
+    seq_lens = [p + n for p, n in reqs]
+    assert all(shared_pages * page_size <= p for p, _ in reqs), "shared pages must hold cached tokens only"
+    own = [-(-s // page_size) - shared_pages for s in seq_lens]
+    num_pages = shared_pages + sum(own) + 5
+    k_cache = torch.randn(num_pages, page_size, KVH, D, generator=g)
+    v_cache = torch.randn(num_pages, page_size, KVH, D, generator=g)
+    perm = torch.randperm(num_pages, generator=g).to(torch.int32)
+    shared, used = perm[:shared_pages], shared_pages
+    max_rows, max_pages = B + 2, max(own) + shared_pages + 3
+    rows = torch.randperm(max_rows, generator=g)[:B].to(torch.int32)
+    page_table = torch.randint(0, num_pages, (max_rows, max_pages), generator=g, dtype=torch.int32)
+    locs, positions = [], []
+    for b, (prefix, new) in enumerate(reqs):
+        pages = torch.cat([shared, perm[used : used + own[b]]])
+        used += own[b]
+        page_table[rows[b], : len(pages)] = pages
+        pos = torch.arange(prefix, prefix + new)
+        locs.append(pages[pos // page_size].long() * page_size + pos % page_size)
+        positions.append(pos)
+    loc = torch.cat(locs)
+    k, v = k_cache.flatten(0, 1)[loc], v_cache.flatten(0, 1)[loc]  # [N, KVH, D]
+    new_lens = [n for _, n in reqs]
+    cu = torch.tensor([0] + new_lens).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(new_lens), H, D, generator=g)
+    fb = ForwardBatch(
+        phase=phase, input_ids=torch.zeros(len(loc), dtype=torch.long), positions=torch.cat(positions),
+        out_cache_loc=loc, req_rows=rows, prefix_lens=torch.tensor([p for p, _ in reqs], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), cu_seqlens=cu, max_seqlen=max(new_lens),
+        max_seq_len=max(seq_lens), prefix_lens_cpu=[p for p, _ in reqs], seq_lens_cpu=seq_lens,
+        last_token_indices=cu[1:].long() - 1, kv_pool=SimpleNamespace(page_size=page_size),
+        page_table=page_table,
+        attn_backend=None)
+    return q, k, v, k_cache, v_cache, fb
+
+
+def padded_reference(q, k, v, k_cache, v_cache, fb, scale):
+    """The padded form: every request's keys gathered through the page table to the batch's longest, masked."""
+    ps = k_cache.shape[1]
+    if fb.phase == "decode":
+        L = fb.max_seq_len
+        pages = fb.page_table[fb.req_rows.long(), : -(-L // ps)].long()  # [B, pages]
+        kp = k_cache[pages].flatten(1, 2)[:, :L].transpose(1, 2)  # [B, KVH, L, D]
+        vp = v_cache[pages].flatten(1, 2)[:, :L].transpose(1, 2)
+        valid = torch.arange(L)[None, :] < fb.seq_lens[:, None]  # [B, L]
+        return F.scaled_dot_product_attention(q[:, :, None], kp, vp, attn_mask=valid[:, None, None], scale=scale,
+                                              enable_gqa=True)[:, :, 0]
+    out, cu = torch.empty_like(q), fb.cu_seqlens.tolist()
+    for b, (prefix, total) in enumerate(zip(fb.prefix_lens_cpu, fb.seq_lens_cpu)):
+        pages = fb.page_table[fb.req_rows[b].long(), : -(-total // ps)].long()
+        kb, vb = k_cache[pages].flatten(0, 1)[:total], v_cache[pages].flatten(0, 1)[:total]  # [total, KVH, D]
+        mask = torch.ones(total - prefix, total, dtype=torch.bool).tril(prefix)
+        out[cu[b] : cu[b + 1]] = F.scaled_dot_product_attention(
+            q[cu[b] : cu[b + 1]].transpose(0, 1), kb.transpose(0, 1), vb.transpose(0, 1), attn_mask=mask,
+            scale=scale, enable_gqa=True).transpose(0, 1)
+    return out
+
+
+VARLEN_DECODE = {  # (prefix_len, 1) each: odd lengths, a one-token request, B=1, lengths far apart (several groups)
+    "one-token": [(0, 1)],
+    "B=1": [(36, 1)],
+    "mixed": [(0, 1), (2, 1), (16, 1), (32, 1), (49, 1), (63, 1), (64, 1), (99, 1), (128, 1), (200, 1)],
+    "equal": [(40, 1)] * 5,
+}
+VARLEN_EXTEND = {  # (prefix_len, new_len): fresh prompts and cached prefixes, a one-token prompt, B=1
+    "one-token": [(0, 1)],
+    "B=1 with prefix": [(37, 5)],
+    "mixed": [(0, 1), (0, 23), (19, 1), (33, 17), (0, 64), (70, 9), (5, 40)],
+}
+
+
+@pytest.mark.parametrize("H, KVH", [(2, 2), (6, 2)])
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+@pytest.mark.parametrize("phase, name",
+                         [("decode", n) for n in VARLEN_DECODE] + [("prefill", n) for n in VARLEN_EXTEND])
+def test_varlen_equals_padded_reference(phase, name, page_size, H, KVH):
+    reqs = (VARLEN_DECODE if phase == "decode" else VARLEN_EXTEND)[name]
+    D, scale = 16, 16**-0.5
+    q, k, v, kc, vc, fb = random_layout(reqs, H, KVH, D, page_size, phase, seed=page_size * 10 + H)
+    backend = TorchBackend()
+    backend.init_forward_metadata(fb)
+    meta = fb.attn_metadata
+    assert meta.kv_indptr == [0] + torch.tensor(fb.seq_lens_cpu).cumsum(0).tolist()
+    out = backend.prefill(q, k, v, kc, vc, fb, scale) if phase == "prefill" else backend.decode(q, kc, vc, fb, scale)
+    torch.testing.assert_close(out, padded_reference(q, k, v, kc, vc, fb, scale), rtol=1e-5, atol=1e-5)
+    if phase == "decode" and name == "mixed":  # lengths 1 .. 201: cut into groups, none padded beyond 2x
+        assert len(meta.decode_groups) >= 4
+        for group in meta.decode_groups:
+            own = (group.mask == 0).sum(-1).flatten()
+            assert own.max() <= 2 * own.min() and own.max() == group.mask.shape[-1]
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_varlen_reads_shared_prefix_pages(phase):
+    # Every request's first 3 pages are the same pages (a shared prompt prefix); each then has pages of its own.
+    reqs = [(13, 1), (25, 1), (40, 1), (12, 1)] if phase == "decode" else [(12, 3), (30, 1), (17, 20)]
+    q, k, v, kc, vc, fb = random_layout(reqs, 6, 2, 16, 4, phase, shared_pages=3, seed=3)
+    backend = TorchBackend()
+    backend.init_forward_metadata(fb)
+    slots = fb.attn_metadata.kv_indices
+    ptr = fb.attn_metadata.kv_indptr
+    first = [slots[ptr[b] : ptr[b] + 12] for b in range(len(reqs))]  # positions 0..11: the shared pages
+    assert all(torch.equal(first[0], f) for f in first[1:])
+    out = backend.prefill(q, k, v, kc, vc, fb, 0.25) if phase == "prefill" else backend.decode(q, kc, vc, fb, 0.25)
+    torch.testing.assert_close(out, padded_reference(q, k, v, kc, vc, fb, 0.25), rtol=1e-5, atol=1e-5)
+
+
+def test_kv_indices_are_each_requests_own_slots():
+    # The layout itself: request b's keys are exactly the pool slots of its positions 0 .. seq_len-1, in order.
+    reqs = [(6, 1), (0, 1), (20, 1)]
+    q, k, v, kc, vc, fb = random_layout(reqs, 2, 2, 8, 4, "decode", seed=5)
+    TorchBackend().init_forward_metadata(fb)
+    meta = fb.attn_metadata
+    for b, s in enumerate(fb.seq_lens_cpu):
+        pos = torch.arange(s)
+        want = fb.page_table[fb.req_rows[b], pos // 4].long() * 4 + pos % 4
+        assert torch.equal(meta.kv_indices[meta.kv_indptr[b] : meta.kv_indptr[b + 1]], want)
+    assert meta.kv_indices.numel() == sum(fb.seq_lens_cpu)  # no padding in the layout
 
 
 # ---------------------------------------------------------------- our triton kernels against torch (CPU: interpreter)
@@ -299,6 +431,7 @@ def test_triton_forward_stores_then_reads_through_pages(tb):
         loc = fb.out_cache_loc
         kc[loc // ps, loc % ps] = torch.randn(loc.numel(), KVH, D)  # un-store the new tokens
         vc[loc // ps, loc % ps] = torch.randn(loc.numel(), KVH, D)
+        backend.init_forward_metadata(fb)
         results.append(backend.forward(d["q"], d["k"], d["v"], L, fb))
     assert max_err(*results) < 1e-4
     d = paged_batch(reqs, H, KVH, D, ps)  # and the same as the formula on the contiguous tensors
