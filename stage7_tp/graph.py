@@ -10,8 +10,10 @@ The price: a graph replays *exactly* what was recorded, so
 - every shape is fixed: one graph per batch size. Real batches are padded up to the next bucket
   (1, 2, 4, 8, then steps of 8) and the padded rows' logits are dropped;
 - nothing may depend on host-side values of the data: no `.item()`, no shapes computed from `seq_lens` on the host.
-  The triton and flash_attn backends read `seq_lens` on the device already. The torch backend sizes its gather by
-  `max_seq_len`, so under capture we give it the largest context the page table can describe (correct, slower);
+  The triton and flash_attn backends read `seq_lens` on the device already. The torch backend's varlen layout is
+  sized on the host every step, so the captured ForwardBatch carries none (no `init_forward_metadata`) and the
+  backend falls back to its padded gather of `max_seq_len` keys: we give it the largest context the page table can
+  describe (correct, slower);
 - padded rows still run: each writes its K/V to a reserved dummy slot (a page no request ever owns), with
   seq_len 1, page-table row 0 (only read, and the result is dropped), token 0 at position 0.
 
@@ -72,7 +74,8 @@ class GraphRunner:
         self.capture()
 
     def forward_batch(self, bs: int) -> ForwardBatch:
-        """The static ForwardBatch of bucket bs: views of the buffers above, the engine's pool and page table."""
+        """The static ForwardBatch of bucket bs: views of the buffers above, the engine's pool and page table, and no
+        attention metadata (it would freeze one step's layout into the graph)."""
         e = self.engine
         return ForwardBatch(
             phase="decode", input_ids=self.input_ids[:bs], positions=self.positions[:bs],

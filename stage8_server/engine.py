@@ -265,7 +265,7 @@ class Engine:
         prefix_lens = [r.cached_len for r in batch.reqs]
         seq_lens = [r.device_len for r in batch.reqs]
         as_tensor = lambda xs, dtype=torch.int32: torch.tensor(xs, dtype=dtype, device=dev)  # noqa: E731
-        return ForwardBatch(
+        fb = ForwardBatch(
             phase=batch.phase,
             input_ids=as_tensor(input_ids, torch.long),  # [N]
             positions=as_tensor(positions, torch.long),  # [N]
@@ -283,6 +283,8 @@ class Engine:
             page_table=self.page_table.table,
             attn_backend=self.attn_backend,
         )
+        self.attn_backend.init_forward_metadata(fb)  # once per pass, not once per layer
+        return fb
 
     def forward(self, batch: Batch) -> torch.Tensor:
         return self.run(self.prepare(batch))  # [B, vocab]

@@ -44,6 +44,7 @@ def prompt_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
                       cu_seqlens=i32([0, n]), max_seqlen=n, max_seq_len=n, prefix_lens_cpu=[0], seq_lens_cpu=[n],
                       last_token_indices=torch.tensor([n - 1]), kv_pool=engine.kv_pool,
                       page_table=engine.page_table.table, attn_backend=engine.attn_backend)
+    engine.attn_backend.init_forward_metadata(fb)
     return engine.model(fb.input_ids, fb.positions, fb)[0].float()
 
 

@@ -8,7 +8,8 @@
   the request's first seq_lens[b] cached tokens.
 
 A request's token at position p lives at k_cache[page_table[row, p // page_size], p % page_size].
-Storing the new K/V is the same for every backend, so it lives here, in `forward`.
+Storing the new K/V is the same for every backend, so it lives here, in `forward`. What a backend derives from the
+batch's layout (the torch backend's key slots) it builds once per pass in `init_forward_metadata`, not per layer.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class ForwardBatch:
     kv_pool: "PagedKVPool"  # noqa: F821 (kv_cache.py)
     page_table: torch.Tensor  # [max_running_reqs, max_pages_per_req] int32 page ids
     attn_backend: "AttentionBackend"
+    # What the backend's init_forward_metadata prepared once for every layer of this pass (None: nothing).
+    attn_metadata: object = None
 
     @property
     def batch_size(self) -> int:
@@ -50,6 +53,10 @@ class ForwardBatch:
 
 class AttentionBackend:
     name = "base"
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        """Called once per forward pass, before the first layer: work every layer would otherwise repeat (SGLang's
+        name). The kernels of the other backends read the page table themselves and need nothing."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: ForwardBatch) -> torch.Tensor:
