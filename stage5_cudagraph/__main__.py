@@ -50,8 +50,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-interval", type=int, default=0, help="log throughput every N decode steps")
     parser.add_argument("--disable-cuda-graph", action="store_true", help="decode eagerly on CUDA too")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=64, help="largest batch captured in a graph")
-    parser.add_argument("--disable-overlap", action="store_true",
-                        help="process each step's results before launching the next (stage 4's loop)")
+    parser.add_argument("--disable-overlap", action="store_const", const=True, default=None,
+                        help="process each step's results before launching the next (stage 4's loop; the CPU default)")
+    parser.add_argument("--enable-overlap", action="store_const", const=False, dest="disable_overlap",
+                        help="overlap scheduling on a CPU too (on CUDA it is the default)")
     parser.add_argument("--memory-report", action="store_true",
                         help="print what the weights and the KV cache cost, then the load statistics")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,

@@ -53,8 +53,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache (stage 5's engine)")
     parser.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"],
                         help="waiting-queue order within a priority: longest cached prefix first, or arrival order")
-    parser.add_argument("--disable-overlap", action="store_true",
-                        help="process each step's results before launching the next (stage 4's loop)")
+    parser.add_argument("--disable-overlap", action="store_const", const=True, default=None,
+                        help="process each step's results before launching the next (stage 4's loop; the CPU default)")
+    parser.add_argument("--enable-overlap", action="store_const", const=False, dest="disable_overlap",
+                        help="overlap scheduling on a CPU too (on CUDA it is the default)")
     parser.add_argument("--memory-report", action="store_true",
                         help="print what the weights and the KV cache cost, then the load statistics")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,

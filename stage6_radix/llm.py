@@ -77,14 +77,15 @@ class LLM:
                  chunked_prefill_size: int = 512, schedule_conservativeness: float = 1.0, log_interval: int = 0,
                  record_stats: bool = False, tokenizer_config: TokenizerConfig | None = None,
                  progress: bool | None = None, verbose: bool = True, disable_cuda_graph: bool = False,
-                 cuda_graph_max_bs: int = 64, disable_overlap: bool = False, disable_radix_cache: bool = False,
-                 schedule_policy: str = "lpm"):
+                 cuda_graph_max_bs: int = 64, disable_overlap: bool | None = None,
+                 disable_radix_cache: bool = False, schedule_policy: str = "lpm"):
         """dtype: float32, bfloat16, float16 or "auto" (the checkpoint's). max_total_tokens / mem_fraction_static:
         the KV pool's size (engine.plan_kv_pool). max_prefill_tokens, chunked_prefill_size, schedule_conservativeness:
         admission (scheduler/prefill.py). progress: a loading progress bar (None: when stderr is a terminal).
         verbose: print one line on load with the memory report and the KV pool's size. disable_radix_cache: no
         prefix cache (stage 5's engine). schedule_policy: "lpm" (longest cached prefix first) or "fcfs".
 
+        disable_overlap: None (default) overlaps on CUDA and not on a CPU; False forces it on, True off.
         With overlap on, the LLM owns a device-worker thread: `close()` (or `with LLM(...) as llm:`) stops it; an
         LLM that is garbage-collected, or still open when the interpreter exits, is closed then."""
         self.model_path = resolve_model_path(model)
@@ -100,8 +101,8 @@ class LLM:
                                    chunked_prefill_size=chunked_prefill_size,
                                    schedule_conservativeness=schedule_conservativeness,
                                    log_interval=log_interval, record_stats=record_stats,
-                                   overlap=not disable_overlap, disable_radix_cache=disable_radix_cache,
-                                   schedule_policy=schedule_policy)
+                                   overlap=None if disable_overlap is None else not disable_overlap,
+                                   disable_radix_cache=disable_radix_cache, schedule_policy=schedule_policy)
         # Runs once: at close(), when the LLM is garbage-collected, or at interpreter exit (weakref.finalize).
         self._closer = weakref.finalize(self, self.scheduler.shutdown)
         self._next_rid = 0

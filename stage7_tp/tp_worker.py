@@ -29,7 +29,7 @@ import torch.distributed as dist
 from .core import Req
 from .distributed import (SINGLE, LocalRanks, TPError, TPInfo, broadcast_object, describe, destroy,
                           init_process_groups)
-from .engine import Engine
+from .engine import Engine, check_device
 from .scheduler import Scheduler
 from .tokenizer import Tokenizer, TokenizerConfig
 
@@ -50,8 +50,8 @@ class RankSpec:
         return self.tp_size // self.nnodes
 
     def device_for(self, rank: int) -> str:
-        device = torch.device(self.engine["device"])
-        if device.type != "cuda":
+        device = check_device(self.engine["device"])  # an unknown or missing device is named here, on rank 0
+        if device.type != "cuda" or self.tp_size == 1:
             return str(device)
         return f"cuda:{rank % self.ranks_per_node}"  # one GPU per rank of a node
 

@@ -73,8 +73,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--moe-runner-backend", default="auto", choices=["auto", "triton", "torch"],
                         help="MoE layers: fused Triton kernels (triton), the per-expert reference loop (torch); "
                              "auto = triton on CUDA, torch on CPU")
-    parser.add_argument("--disable-overlap", action="store_true",
-                        help="process each step's results before launching the next (stage 4's loop)")
+    parser.add_argument("--disable-overlap", action="store_const", const=True, default=None,
+                        help="process each step's results before launching the next (stage 4's loop; the CPU default)")
+    parser.add_argument("--enable-overlap", action="store_const", const=False, dest="disable_overlap",
+                        help="overlap scheduling on a CPU too (on CUDA it is the default)")
     parser.add_argument("--memory-report", action="store_true",
                         help="print what the weights and the KV cache cost, then the load statistics")
     parser.add_argument("--tp-size", type=int, default=1, help="tensor parallelism: ranks the model is split over")

@@ -86,9 +86,9 @@ class LLM:
                  chunked_prefill_size: int = 512, schedule_conservativeness: float = 1.0, log_interval: int = 0,
                  record_stats: bool = False, tokenizer_config: TokenizerConfig | None = None,
                  progress: bool | None = None, verbose: bool = True, disable_cuda_graph: bool = False,
-                 cuda_graph_max_bs: int = 64, disable_overlap: bool = False, disable_radix_cache: bool = False,
-                 schedule_policy: str = "lpm", tp_size: int = 1, nnodes: int = 1, dist_init_addr: str | None = None,
-                 load_format: str = "auto", moe_runner_backend: str = "auto"):
+                 cuda_graph_max_bs: int = 64, disable_overlap: bool | None = None,
+                 disable_radix_cache: bool = False, schedule_policy: str = "lpm", tp_size: int = 1, nnodes: int = 1,
+                 dist_init_addr: str | None = None, load_format: str = "auto", moe_runner_backend: str = "auto"):
         """dtype: float32, bfloat16, float16 or "auto" (the checkpoint's). max_total_tokens / mem_fraction_static:
         the KV pool's size (engine.plan_kv_pool). max_prefill_tokens, chunked_prefill_size, schedule_conservativeness:
         admission (scheduler/prefill.py). progress: a loading progress bar (None: when stderr is a terminal).
@@ -103,6 +103,7 @@ class LLM:
         `python -m stage7_tp --node-rank N` with the same flags. dist_init_addr ("host:port", where rank 0 listens)
         is needed then; on one node a free local port is picked. load_format "dummy": random weights.
 
+        disable_overlap: None (default) overlaps on CUDA and not on a CPU; False forces it on, True off.
         With overlap on, the LLM owns a device-worker thread: `close()` (or `with LLM(...) as llm:`) stops it, and
         the other ranks; an LLM that is garbage-collected, or still open when the interpreter exits, is closed then."""
         self.model_path = resolve_model_path(model)
@@ -302,7 +303,8 @@ def rank_spec(model_path: Path, tokenizer_config, tp_size: int, nnodes: int, opt
     engine = {k: options[k] for k in ENGINE_OPTIONS}
     engine["cuda_graph"] = not options["disable_cuda_graph"]
     scheduler = {k: options[k] for k in SCHEDULER_OPTIONS}
-    scheduler["overlap"] = not options["disable_overlap"]
+    disable_overlap = options["disable_overlap"]
+    scheduler["overlap"] = None if disable_overlap is None else not disable_overlap  # None: on CUDA only
     return RankSpec(model_path, tokenizer_config, engine, scheduler, tp_size, nnodes)
 
 

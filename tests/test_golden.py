@@ -36,7 +36,9 @@ def may_skip(stage_name: str, model: str) -> bool:
 def load_llm(stage_name: str, model: str):
     stage = importlib.import_module(stage_name)
     try:
-        return stage.LLM(str(resolve_model(model)), device="cpu", dtype="float32")
+        # From stage 5 on, the overlap loop (the default on CUDA, opt-in on a CPU), so that it is the path checked.
+        options = {"disable_overlap": False} if stage_number(stage_name) >= 5 else {}
+        return stage.LLM(str(resolve_model(model)), device="cpu", dtype="float32", **options)
     except stage.UnsupportedModelError as exc:
         if may_skip(stage_name, model):
             pytest.skip(f"{stage_name} does not support {model}: {exc}")

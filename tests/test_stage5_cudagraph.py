@@ -373,7 +373,7 @@ def test_close_stops_the_worker_thread(path):
         return [t for t in threading.enumerate() if t.name.startswith("device")]
 
     before = len(device_threads())
-    with LLM(path, attention_backend="torch", verbose=False) as llm:
+    with LLM(path, attention_backend="torch", disable_overlap=False, verbose=False) as llm:  # overlap: a thread
         rid = llm.add_request([1, 2, 3], SamplingParams(max_new_tokens=30, ignore_eos=True))
         llm.step(), llm.step()
         assert llm.scheduler.inflight and len(device_threads()) == before + 1
@@ -383,7 +383,7 @@ def test_close_stops_the_worker_thread(path):
         llm.step()
     llm.close()  # closing twice is harmless
     # An LLM nobody closes is closed when it is garbage-collected (and at interpreter exit).
-    other = LLM(path, attention_backend="torch", verbose=False)
+    other = LLM(path, attention_backend="torch", disable_overlap=False, verbose=False)
     other.generate([[4, 5]], SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert len(device_threads()) == before + 1
     del other

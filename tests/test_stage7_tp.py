@@ -41,7 +41,7 @@ def test_golden_at_tp_2_and_4(model):
         if tp not in valid_tp_sizes(*heads(model)):
             continue
         with LLM(str(resolve_model(model)), attention_backend="torch", tp_size=tp, chunked_prefill_size=64,
-                 max_total_tokens=8192, verbose=False) as llm:
+                 max_total_tokens=8192, disable_overlap=False, verbose=False) as llm:
             assert llm.engine.tp.size == tp and llm.scheduler.overlap and llm.scheduler.cache.tree is not None
             problems = golden_run(llm, model)
         assert not problems, f"{model} at tp {tp}:\n" + "\n".join(problems)
@@ -168,3 +168,19 @@ def test_command_line(tiny_llama_path):
     bad = subprocess.run([sys.executable, "-m", "stage7_tp", "--model", str(tiny_llama_path), "--tp-size", "3"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "valid tp sizes: 1, 2, 4" in bad.stderr
+
+
+def test_bench_tp_served_runs_end_to_end_on_a_cpu(tmp_path):
+    """The GPU part of common/gpu_check.sh (`bench tp --served`) rehearsed on a CPU with a tiny model: every tp size
+    loads, prefills and decodes, and the tables it writes hold numbers, not errors."""
+    import json
+
+    from common.bench import main
+
+    main(["tp", "--served", "--model", "tiny-llama", "--tp", "1", "2", "--max-new-tokens", "4",
+          "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "stage7_gpu.json").read_text())
+    assert [r["tp"] for r in rows] == [1, 2] and not [r["error"] for r in rows if "error" in r]
+    assert all(r["decode_ms_bs1"] > 0 and r["tok_s_bs32"] > 0 and r["kv_tokens"] > 0 for r in rows)
+    assert rows[1]["weights_gib"] < 0.75 * rows[0]["weights_gib"]  # each of 2 ranks holds about half
+    assert "| 2 |" in (tmp_path / "stage7_gpu.md").read_text()

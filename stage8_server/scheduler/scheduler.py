@@ -107,7 +107,9 @@ class Scheduler:
     priority_aging_steps: int = 64  # every this many steps waiting, a request's priority rises by one
     log_interval: int = 0  # log throughput every N decode steps (0: never)
     record_stats: bool = False
-    overlap: bool = True  # process step N-1's results while step N runs (False: stage 4's synchronous loop)
+    # Process step N-1's results while step N runs (False: stage 4's synchronous loop). None: on CUDA only, since
+    # on a CPU the forward would run on a worker thread, where torch's small matmuls are slower (README, Figures).
+    overlap: bool | None = None
     disable_radix_cache: bool = False  # True: no prefix cache, stage 5's behaviour
     schedule_policy: str = "lpm"  # waiting-queue order within a priority level: "lpm" (longest prefix match), "fcfs"
     stream_text: bool = True  # False (stage 8): text comes from the detokenizer process; stop strings still here
@@ -136,6 +138,8 @@ class Scheduler:
         self.total_preemptions = 0
         self.last_phase = "decode"
         self._log_tokens, self._log_time = 0, time.perf_counter()
+        if self.overlap is None:
+            self.overlap = self.engine.device.type == "cuda"
         self.worker = DeviceWorker(self.engine.device, self.overlap)
         self.inflight: list[tuple[Batch, list[tuple[Req, int]], Pending]] = []  # launched, results not yet read
         self.deferred: list[Req] = []  # finished, but still in a launched batch: pages released after it
