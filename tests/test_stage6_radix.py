@@ -237,3 +237,17 @@ def test_command_line(path):
                           "--schedule-policy", "fcfs"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "2 requests, 8 tokens" in out.stdout and "prefix cache on" in out.stdout
+
+
+def test_bench_radix_on_a_random_shape_runs_on_a_cpu(capsys):
+    """The radix benchmark as common/gpu_check.sh runs it (random weights of a given shape), rehearsed with the tiny
+    shape in float32: the cache finds the shared prompt and changes no token."""
+    import re
+
+    from common.bench import main
+
+    main(["radix", "--shape", "tiny", "--workloads", "shared", "random"])
+    out = capsys.readouterr().out
+    assert out.count("radix == no cache: True") == 2, out
+    hit = re.search(r"shared\s+radix\s+[\d.]+\s+[\d.]+\s+[\d.]+x\s+(\d+)%", out)
+    assert hit and int(hit.group(1)) >= 80, out  # ~512 of each ~550-token prompt is the shared system prompt

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import logging
 
-import zmq
-
 from ..detokenizer import IncrementalDetokenizer
 from ..tokenizer import Tokenizer
 from .messages import BatchStrOut, BatchTokenIDOut, PortArgs, ReqOutput, error_output
-from .process import POLL_TIMEOUT_MS, ChildProcess
+from .process import POLL_TIMEOUT_MS, ChildProcess, open_sockets
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +67,7 @@ def run_detokenizer_worker(model_path: str, ports: PortArgs, ready_conn) -> None
     child = ChildProcess("detokenizer worker", ready_conn)
     try:
         worker = DetokenizerWorker(Tokenizer(model_path))
-        ctx = zmq.Context()
-        ctx.setsockopt(zmq.LINGER, 0)  # at exit, drop unsent messages: a dead peer must not block it
-        recv = ctx.socket(zmq.PULL)
-        recv.bind(ports.detokenizer_ipc_name)
-        to_api = ctx.socket(zmq.PUSH)
-        to_api.connect(ports.api_ipc_name)
+        recv, to_api = open_sockets(ports.detokenizer_ipc_name, ports.api_ipc_name)
     except Exception:
         child.failed()
     child.ready()

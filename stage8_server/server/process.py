@@ -8,6 +8,8 @@ import signal
 import sys
 import traceback
 
+import zmq
+
 POLL_TIMEOUT_MS = 500  # an idle process wakes this often to check that its parent is still there
 
 
@@ -44,3 +46,18 @@ class ChildProcess:
         except OSError:  # the launcher is gone already: say it here
             traceback.print_exc()
         sys.exit(1)
+
+
+def open_sockets(bind: str, *connect: str) -> tuple[zmq.Socket, ...]:
+    """A child's sockets: a PULL socket bound at `bind` (its inbox), then one PUSH socket per address in `connect`
+    (the inboxes it sends to), in that order."""
+    ctx = zmq.Context()
+    ctx.setsockopt(zmq.LINGER, 0)  # at exit, drop unsent messages: a dead peer must not block it
+    recv = ctx.socket(zmq.PULL)
+    recv.bind(bind)
+    pushes = []
+    for address in connect:
+        push = ctx.socket(zmq.PUSH)
+        push.connect(address)
+        pushes.append(push)
+    return (recv, *pushes)

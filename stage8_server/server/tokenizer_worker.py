@@ -21,13 +21,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-import zmq
-
 from ..core import SamplingParams
 from ..tokenizer import Tokenizer
 from .messages import (AbortReq, BatchStrOut, BatchTokenizedGenerateReqInput, ControlReq, EngineInfo,
                        GenerateReqInput, PortArgs, TokenizedGenerateReqInput, error_output)
-from .process import POLL_TIMEOUT_MS, ChildProcess
+from .process import POLL_TIMEOUT_MS, ChildProcess, open_sockets
 
 logger = logging.getLogger(__name__)
 
@@ -124,14 +122,8 @@ def run_tokenizer_worker(model_path: str, info: EngineInfo, ports: PortArgs, rea
     try:
         # The scheduler's tokenizer has max_length filled in the same way (LLM): the check is ours, above.
         worker = TokenizerWorker(Tokenizer(model_path), info)
-        ctx = zmq.Context()
-        ctx.setsockopt(zmq.LINGER, 0)  # at exit, drop unsent messages: a dead peer must not block it
-        recv = ctx.socket(zmq.PULL)
-        recv.bind(ports.tokenizer_ipc_name)
-        to_scheduler = ctx.socket(zmq.PUSH)
-        to_scheduler.connect(ports.scheduler_input_ipc_name)
-        to_api = ctx.socket(zmq.PUSH)
-        to_api.connect(ports.api_ipc_name)
+        recv, to_scheduler, to_api = open_sockets(ports.tokenizer_ipc_name, ports.scheduler_input_ipc_name,
+                                                  ports.api_ipc_name)
     except Exception:
         child.failed()
     child.ready()

@@ -24,7 +24,7 @@ from ..llm import LLM
 from ..scheduler import StepOutput
 from .messages import (AbortReq, BatchTokenIDOut, BatchTokenizedGenerateReqInput, ControlOut, ControlReq,
                        EngineInfo, PortArgs, ReqOutput, TokenizedGenerateReqInput, TokenLogprob, error_output)
-from .process import POLL_TIMEOUT_MS, ChildProcess
+from .process import POLL_TIMEOUT_MS, ChildProcess, open_sockets
 
 logger = logging.getLogger(__name__)
 
@@ -146,14 +146,8 @@ def run_scheduler(engine_args: dict, ports: PortArgs, ready_conn) -> None:
         engine = llm.engine
         info = EngineInfo(engine.max_context_len, engine.config.vocab_size,
                           engine.kv_pool.num_pages * engine.kv_pool.page_size, engine.kv_pool.page_size)
-        ctx = zmq.Context()
-        ctx.setsockopt(zmq.LINGER, 0)  # at exit, drop unsent messages: a dead peer must not block it
-        recv = ctx.socket(zmq.PULL)
-        recv.bind(ports.scheduler_input_ipc_name)
-        to_detokenizer = ctx.socket(zmq.PUSH)
-        to_detokenizer.connect(ports.detokenizer_ipc_name)
-        to_api = ctx.socket(zmq.PUSH)
-        to_api.connect(ports.api_ipc_name)
+        recv, to_detokenizer, to_api = open_sockets(ports.scheduler_input_ipc_name, ports.detokenizer_ipc_name,
+                                                    ports.api_ipc_name)
     except Exception:
         child.failed()
     child.ready(info)
