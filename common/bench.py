@@ -90,6 +90,11 @@ def run_hf(hf_model, work: Workload, batch_size: int, pad_id: int) -> tuple[floa
     return timed(go), outputs
 
 
+def warm_up(work: Workload) -> Workload:
+    """Two tokens for (at most) two of the workload's prompts: first calls pay for allocation and one-time setup."""
+    return Workload(work.prompts[:2], [2] * len(work.prompts[:2]))
+
+
 def fitting_tokens(work: Workload, page_size: int) -> int:
     """KV tokens (whole pages) that hold every request of the workload at once, prompt and output, as HF generate's
     one padded batch does."""
@@ -168,7 +173,7 @@ def bench_batch(args) -> None:
     llm2 = stage2_batch.LLM(str(path), attention_backend="torch", max_batch_size=args.num_requests)
     llm1 = stage1_naive.LLM(str(path))
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    run_stage("stage2_batch", llm2, Workload(work.prompts[:2], [2, 2]))  # warm-up
+    run_stage("stage2_batch", llm2, warm_up(work))
 
     t_packed, ids_packed = run_stage("stage2_batch", llm2, work)
     t_padded, ids_padded = run_stage("stage2_batch", llm2, work, pad_to_longest=True)
@@ -273,7 +278,7 @@ def bench_offline(args) -> None:
     cb_config = hf_cb_config(pool.num_pages, pool.page_size, args.num_requests,
                              chunk if chunk > 0 else llm4.scheduler.max_prefill_tokens)
     needed = fitting_tokens(work, page_size)
-    warm = Workload(work.prompts[:2], [2, 2])
+    warm = warm_up(work)
     run_stage("stage4_scheduler", llm4, warm)  # warm-ups: first calls pay for allocation and one-time setup
     run_stage("stage2_batch", llm2, warm)
     run_hf(hf, warm, args.num_requests, tok.pad_token_id or 0)
@@ -313,7 +318,7 @@ def bench_overlap(args) -> None:
            f"{torch.get_num_threads()} torch threads")
     llms = {o: stage5_cudagraph.LLM(str(path), attention_backend="torch", max_running_requests=args.num_requests,
                                     disable_overlap=not o, record_stats=True) for o in (False, True)}
-    run_stage("stage5_cudagraph", llms[True], Workload(work.prompts[:2], [2, 2]))  # warm-up
+    run_stage("stage5_cudagraph", llms[True], warm_up(work))
     times: dict[bool, list[float]] = {False: [], True: []}
     ids = {}
     for _ in range(args.repeats):

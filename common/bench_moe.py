@@ -203,7 +203,7 @@ def bench_models(pair: ModelPair, device: str, dtype: str, num_requests: int, ma
     from transformers import AutoTokenizer
 
     import stage9_moe
-    from common.bench import mixed_workload, run_stage
+    from common.bench import mixed_workload, run_stage, warm_up
 
     rows = []
     with tempfile.TemporaryDirectory(dir=tmp) as root:
@@ -218,7 +218,7 @@ def bench_models(pair: ModelPair, device: str, dtype: str, num_requests: int, ma
                 llm = stage9_moe.LLM(str(folder), device=device, dtype=dtype, verbose=False,
                                      max_running_requests=num_requests, max_total_tokens=num_requests * 160,
                                      **kwargs)
-                run_stage("stage9_moe", llm, type(work)(work.prompts[:2], [2, 2]))  # warm-up
+                run_stage("stage9_moe", llm, warm_up(work))
                 seconds, _ = run_stage("stage9_moe", llm, work)
                 params = sum(p.numel() for p in llm.engine.model.parameters())
                 llm.close()

@@ -33,8 +33,8 @@ def stage_llm(stage, name: str, path: str, num_requests: int):
 def bench_progression(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.bench import Workload, fitting_tokens, header, hf_cb_config, mixed_workload, run_hf, run_hf_cb, \
-        run_stage
+    from common.bench import fitting_tokens, header, hf_cb_config, mixed_workload, run_hf, run_hf_cb, \
+        run_stage, warm_up
     from common.golden import discover_stages
     from common.models import resolve_model
 
@@ -44,7 +44,7 @@ def bench_progression(args) -> None:
                           max_prompt=192)
     header(f"the course's progression: {args.model}, {args.num_requests} requests, prompts 32-192 tokens, "
            f"{work.output_tokens} output tokens, every stage and HF in one run")
-    warm = Workload(work.prompts[:2], [2, 2])
+    warm = warm_up(work)
     rows, tokens = [], {}
     for name in discover_stages():
         stage = importlib.import_module(name)

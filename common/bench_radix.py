@@ -22,7 +22,7 @@ import random
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,6 +35,7 @@ class Run:
     output_tokens: int
     prompt_tokens: int
     cached_tokens: int = 0
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # engine steps' forward + sample time, by phase
 
 
 def _words(tokenizer, rng: random.Random, n: int) -> list[int]:
@@ -68,28 +69,36 @@ def workload_calls(name: str, tokenizer, seed: int = 0):
 
 
 def run_calls(generate, calls) -> Run:
-    """generate(prompts, max_new_tokens) -> (outputs, cached tokens); multi-turn calls build on the previous."""
+    """generate(prompts, max_new_tokens) -> (outputs, cached tokens, seconds by phase); multi-turn calls build on the
+    previous."""
     outputs: list[list[int]] = []
     prompts: list[list[int]] = []
     seconds = cached = prompt_tokens = 0
+    phases: dict[str, float] = {}
     prev_prompts, prev_outputs = None, None
     for spec, max_new in calls:
         batch = spec(prev_prompts, prev_outputs) if callable(spec) else spec
         start = time.perf_counter()
-        outs, hit = generate(batch, max_new)
+        outs, hit, split = generate(batch, max_new)
         seconds += time.perf_counter() - start
         cached += hit
+        for phase, t in split.items():
+            phases[phase] = phases.get(phase, 0.0) + t
         prompt_tokens += sum(map(len, batch))
         outputs += outs
         prompts += batch
         prev_prompts, prev_outputs = batch, outs
-    return Run(seconds, outputs, sum(map(len, outputs)), prompt_tokens, cached)
+    return Run(seconds, outputs, sum(map(len, outputs)), prompt_tokens, cached, phases)
 
 
 def engine_generate(llm, stage):
     def generate(prompts, max_new):
+        llm.scheduler.timings.clear()
         results = llm.generate(prompts, stage.SamplingParams(max_new_tokens=max_new, ignore_eos=True))
-        return [r.token_ids for r in results], sum(r.cached_tokens for r in results)
+        split: dict[str, float] = {}
+        for t in llm.scheduler.timings:  # record_stats: every step's forward + sample time
+            split[t.phase] = split.get(t.phase, 0.0) + t.device_seconds
+        return [r.token_ids for r in results], sum(r.cached_tokens for r in results), split
     return generate
 
 
@@ -98,7 +107,7 @@ def hf_generate(model, pad_id: int, batch_size: int):
 
     def generate(prompts, max_new):
         _, outs = run_hf(model, Workload(prompts, [max_new] * len(prompts)), batch_size, pad_id)
-        return outs, 0
+        return outs, 0, {}
     return generate
 
 
@@ -137,7 +146,7 @@ def run_bench_radix(args, path: Path, name: str) -> None:
     tok = AutoTokenizer.from_pretrained(str(path))
     header(f"prefix cache: {name}, {args.device} {args.dtype}, stage 6 with the radix cache on / off vs HF generate, "
            "greedy, ignore_eos")
-    common = dict(device=args.device, dtype=args.dtype, max_running_requests=64, verbose=False,
+    common = dict(device=args.device, dtype=args.dtype, max_running_requests=64, verbose=False, record_stats=True,
                   attention_backend="torch" if args.device == "cpu" else None)
     on = stage6_radix.LLM(str(path), **common)
     off = stage6_radix.LLM(str(path), disable_radix_cache=True, **common)
@@ -164,6 +173,8 @@ def run_bench_radix(args, path: Path, name: str) -> None:
         same_hf = sum(a == b for a, b in zip(best["radix"].tokens, best["HF generate"].tokens))
         print(f"   {name}: {len(base.tokens)} requests, {base.prompt_tokens} prompt tokens, {base.output_tokens} "
               f"output tokens; radix == no cache: {same_off}; == HF for {same_hf}/{len(base.tokens)}")
+        split = lambda r: ", ".join(f"{p} {t:.2f} s" for p, t in sorted(r.phase_seconds.items()))  # noqa: E731
+        print(f"   {name}: forward + sample time by step kind: radix {split(best['radix'])}; no cache {split(base)}")
     print(f"   {'workload':10s} {'system':12s} {'seconds':>8s} {'tok/s':>7s} {'vs no cache':>12s} {'hit rate':>9s}")
     for name, system, run, tps, ratio in rows:
         hit = f"{run.cached_tokens / run.prompt_tokens:8.0%}" if system == "radix" else f"{'-':>8s}"

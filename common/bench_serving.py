@@ -13,7 +13,8 @@ to first token), ITL (inter-token latency: between streamed chunks), TPOT (time 
 and E2E latency, as mean / median / p99 in ms. Latency against request rate is plotted to DIR.
 
 `transformers serve` loads its model with a device_map, which needs the `accelerate` package
-(pip install -e ".[bench]"). stage8-no-overlap is the same server with --disable-overlap (stage 5's synchronous loop).
+(pip install -e ".[bench]"). stage8-overlap is the same server with --enable-overlap
+(on a CPU the default is the synchronous loop; on CUDA, overlap).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SYSTEMS = ("stage8", "stage8-no-overlap", "hf", "hf-cb")
-LABELS = {"stage8": "stage 8 server", "stage8-no-overlap": "stage 8 server --disable-overlap",
+SYSTEMS = ("stage8", "stage8-overlap", "hf", "hf-cb")
+LABELS = {"stage8": "stage 8 server", "stage8-overlap": "stage 8 server --enable-overlap",
           "hf": "transformers serve", "hf-cb": "transformers serve --continuous-batching"}
 START_TIMEOUT_S = 600
 REQUEST_TIMEOUT_S = 600
@@ -185,7 +186,7 @@ def free_port() -> int:
 def server_command(system: str, model_path: Path, port: int, stage: str) -> list[str]:
     if system.startswith("stage8"):
         return [sys.executable, "-m", stage, "--model", str(model_path), "--port", str(port), "--quiet",
-                "--served-model-name", str(model_path)] + (["--disable-overlap"] if "no-overlap" in system else [])
+                "--served-model-name", str(model_path)] + (["--enable-overlap"] if system == "stage8-overlap" else [])
     cmd = ["transformers", "serve", str(model_path), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
            "--dtype", "float32", "--log-level", "error"]
     return cmd + (["--continuous-batching"] if system == "hf-cb" else [])

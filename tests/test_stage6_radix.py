@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import stage6_radix.graph as graph_module
 from common import graph_emulator
@@ -71,6 +72,58 @@ def run_arriving(llm, prompts, params, every=2, per=3):
         step += 1
         assert step < 5000, "the engine stopped making progress"
     return [out[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("page_size, shared_pages", [(16, 5), (4, 20), (1, 70)])
+def test_cascade_decode_equals_the_padded_reference(page_size, shared_pages):
+    """A decode batch whose requests all start in the same pages reads them once (decode_cascade) and gives what
+    attending each request's whole context gives: lengths from one own key (a request whose prefix is exactly the
+    shared pages) to 120 past it, one request far longer than the rest."""
+    from test_stage4_attention import padded_reference, random_layout
+
+    from stage6_radix.attention.torch_backend import CASCADE_MIN_SHARED_TOKENS, TorchBackend
+
+    shared = shared_pages * page_size
+    reqs = [(shared, 1), (shared + 3, 1), (shared + 17, 1), (shared + 40, 1), (shared + 120, 1), (3 * shared, 1)]
+    q, k, v, kc, vc, fb = random_layout(reqs, 6, 2, 16, page_size, "decode", shared_pages=shared_pages, seed=4)
+    backend = TorchBackend()
+    backend.init_forward_metadata(fb)
+    meta = fb.attn_metadata
+    assert shared >= CASCADE_MIN_SHARED_TOKENS and meta.shared_kv_indices is not None
+    assert len(meta.shared_kv_indices) == shared  # every shared page, and nothing a request owns
+    out = backend.decode(q, kc, vc, fb, 0.25)
+    torch.testing.assert_close(out, padded_reference(q, k, v, kc, vc, fb, 0.25), rtol=1e-5, atol=1e-5)
+
+
+def test_cascade_needs_pages_that_every_request_shares():
+    from test_stage4_attention import random_layout
+
+    from stage6_radix.attention.torch_backend import TorchBackend
+
+    backend = TorchBackend()
+    for shared_pages, reqs in ((0, [(100, 1), (120, 1)]),  # long requests, nothing shared
+                               (3, [(48, 1), (60, 1)]),  # shared, but shorter than worth it (48 < 64 tokens)
+                               (6, [(96, 1)])):  # one request: nothing to share with
+        *_, fb = random_layout(reqs, 6, 2, 16, 16, "decode", shared_pages=shared_pages, seed=5)
+        backend.init_forward_metadata(fb)
+        assert fb.attn_metadata.shared_kv_indices is None, (shared_pages, reqs)
+
+
+def test_engine_decodes_a_shared_system_prompt_by_cascade_with_the_tokens_of_no_cache(path, monkeypatch):
+    from stage6_radix.attention.torch_backend import TorchBackend
+
+    calls = []
+    cascade = TorchBackend.decode_cascade
+    monkeypatch.setattr(TorchBackend, "decode_cascade", lambda self, *a: calls.append(1) or cascade(self, *a))
+    prompts, params = shared_prefix_workload(16, seed=7, prefix_len=100, max_out=16)
+    prompts = [prompts[0][:100] + p[100:] for p in prompts]  # one system prompt for all
+    off = LLM(path, attention_backend="torch", disable_radix_cache=True, verbose=False)
+    want = [r.token_ids for r in off.generate(prompts, params)]
+    assert not calls, "without the cache no two requests share a page"
+    llm = LLM(path, attention_backend="torch", verbose=False)
+    assert [r.token_ids for r in llm.generate(prompts, params)] == want
+    assert calls, "the shared system prompt was read once per decode step"
+    assert_no_leak(llm)
 
 
 def test_second_run_hits_the_cache_with_identical_tokens(path):

@@ -14,6 +14,14 @@ to ~2x the keys on a mixed batch: twice the gather, twice the attention). In bet
 requests by length and cuts them into groups whose shortest is at least half their longest: one dense attention per
 group, padded only to the group's longest (a few groups per step; ~1.2x the real keys on our benchmark's mix).
 
+Stage 6: requests that share a cached prefix share its pages, so a decode step whose requests all begin with the
+same pages (a system prompt) can read those keys once: every query of the batch attends to the shared prefix in one
+dense call, each request to its own keys as above, and the two partial softmaxes are merged by their log-sum-exp
+(cascade attention, as FlashInfer's; `decode_cascade`). Without it each of B requests gathers and reads its own
+copy of the prefix: B times the memory traffic, which is what a CPU decode step of long shared prompts spends its
+time on. Detecting it reads the page table on the host, so it is done on a CPU only (elsewhere it would stall the
+device).
+
 Stage 5: a CUDA graph cannot use that layout. Its size and the groups are decided on the host from this step's
 lengths, and a graph replays the shapes and host values of its capture forever. So under capture (graph.py builds a
 ForwardBatch without metadata) decode takes the padded form: every request's keys gathered through the page table
@@ -47,6 +55,11 @@ class TorchAttnMetadata:
     # decode only: the batch sorted by length (order[i] = the request in sorted place i) and cut into groups
     order: torch.Tensor | None = None  # [B]
     decode_groups: list[DecodeGroup] | None = None
+    # decode with a prefix every request shares: its slots, read once; the groups above then hold the rest
+    shared_kv_indices: torch.Tensor | None = None  # [shared_len]
+
+
+CASCADE_MIN_SHARED_TOKENS = 64  # below this, reading the prefix once saves less than the extra pass costs
 
 
 def build_kv_indices(fb: ForwardBatch) -> tuple[list[int], torch.Tensor]:
@@ -61,6 +74,21 @@ def build_kv_indices(fb: ForwardBatch) -> tuple[list[int], torch.Tensor]:
     pos = torch.arange(kv_indptr[-1], device=dev) - starts[req]  # [total]: the key's position in its request
     pages = fb.page_table[fb.req_rows.long()[req], pos // ps].long()  # [total]
     return kv_indptr, pages * ps + pos % ps
+
+
+def shared_prefix_len(fb: ForwardBatch) -> int:
+    """Tokens (whole pages) at the start of every decode request that sit in the same pages for all of them: only
+    the radix cache makes two rows point at one page. Each request keeps at least its last key to itself."""
+    if fb.page_table.device.type != "cpu" or fb.batch_size < 2:
+        return 0
+    ps = fb.page_size
+    max_pages = (min(fb.seq_lens_cpu) - 1) // ps
+    if max_pages * ps < CASCADE_MIN_SHARED_TOKENS:
+        return 0
+    rows = fb.page_table[fb.req_rows.long(), :max_pages]  # [B, max_pages]
+    same = (rows == rows[:1]).all(0)  # [max_pages]
+    n = max_pages if bool(same.all()) else int(same.int().argmin())  # pages before the first that differs
+    return n * ps if n * ps >= CASCADE_MIN_SHARED_TOKENS else 0
 
 
 def plan_decode_groups(lens: list[int], kv_indptr: list[int], kv_indices: torch.Tensor):
@@ -93,7 +121,18 @@ class TorchBackend(AttentionBackend):
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         kv_indptr, kv_indices = build_kv_indices(fb)
         fb.attn_metadata = meta = TorchAttnMetadata(kv_indptr, kv_indices)
-        if fb.phase == "decode":
+        if fb.phase != "decode":
+            return
+        shared = shared_prefix_len(fb)
+        if shared:  # the groups cover each request's keys after the shared prefix
+            meta.shared_kv_indices = kv_indices[:shared]  # request 0's first keys: everyone's
+            own = [n - shared for n in fb.seq_lens_cpu]
+            own_indptr = [0]
+            for n in own:
+                own_indptr.append(own_indptr[-1] + n)
+            own_indices = torch.cat([kv_indices[start + shared : end] for start, end in zip(kv_indptr, kv_indptr[1:])])
+            meta.order, meta.decode_groups = plan_decode_groups(own, own_indptr, own_indices)
+        else:
             meta.order, meta.decode_groups = plan_decode_groups(fb.seq_lens_cpu, kv_indptr, kv_indices)
 
     def prefill(self, q, k, v, k_cache, v_cache, fb: ForwardBatch, scale):
@@ -123,6 +162,8 @@ class TorchBackend(AttentionBackend):
         meta: TorchAttnMetadata = fb.attn_metadata
         if meta is None:  # a CUDA-graph capture: static shapes only
             return self.decode_padded(q, k_cache, v_cache, fb, scale)
+        if meta.shared_kv_indices is not None:
+            return self.decode_cascade(q, k_cache, v_cache, meta, scale)
         B, H, D = q.shape
         KVH = k_cache.shape[2]
         # GQA: the G = H // KVH query heads that share a K/V head become G queries of that head, so SDPA reads each
@@ -139,6 +180,37 @@ class TorchBackend(AttentionBackend):
         out[meta.order] = torch.cat(outs).view(B, H, D)  # back to the batch's order
         return out  # [B, H, D]
 
+    def decode_cascade(self, q, k_cache, v_cache, meta: TorchAttnMetadata, scale):
+        """Decode when every request starts with the same cached pages: the shared prefix read once for the whole
+        batch, each request's own keys by length group, the two partial attentions merged by log-sum-exp."""
+        B, H, D = q.shape
+        KVH = k_cache.shape[2]
+        G = H // KVH
+        k_all, v_all = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [slots, KVH, D]
+        # 1. every query of the batch against the prefix: one [B*G, Lp] score matrix per K/V head
+        kp = k_all.index_select(0, meta.shared_kv_indices).transpose(0, 1)  # [KVH, Lp, D]
+        vp = v_all.index_select(0, meta.shared_kv_indices).transpose(0, 1)
+        qh = q.view(B, KVH, G, D).transpose(0, 1).reshape(KVH, B * G, D)  # [KVH, B*G, D]
+        out_p, lse_p = attend(qh, kp, vp, scale)  # [KVH, B*G, D], [KVH, B*G]
+        out_p = out_p.view(KVH, B, G, D).transpose(0, 1)  # [B, KVH, G, D]
+        lse_p = lse_p.view(KVH, B, G).transpose(0, 1)  # [B, KVH, G]
+        # 2. each request against its own keys (sorted by length, in groups, as decode() does)
+        qs = q[meta.order].view(B, KVH, G, D)
+        outs, lses = [], []
+        for group in meta.decode_groups:
+            g, L = group.mask.shape[0], group.mask.shape[-1]
+            k = k_all.index_select(0, group.kv_indices).view(g, L, KVH, D).transpose(1, 2)  # [g, KVH, L, D]
+            v = v_all.index_select(0, group.kv_indices).view(g, L, KVH, D).transpose(1, 2)
+            o, lse = attend(qs[group.first : group.first + g], k, v, scale, group.mask)
+            outs.append(o)
+            lses.append(lse)
+        out_s, lse_s = torch.empty_like(out_p), torch.empty_like(lse_p)
+        out_s[meta.order], lse_s[meta.order] = torch.cat(outs), torch.cat(lses)  # back to the batch's order
+        # 3. softmax over prefix + own keys = the two partial results, each weighted by its share of the mass
+        lse = torch.logaddexp(lse_p, lse_s)  # [B, KVH, G]
+        out = out_p * (lse_p - lse).exp()[..., None] + out_s * (lse_s - lse).exp()[..., None]
+        return out.reshape(B, H, D).to(q.dtype)  # [B, H, D]
+
     def decode_padded(self, q, k_cache, v_cache, fb: ForwardBatch, scale):
         """Every request padded to fb.max_seq_len keys, which graph.py sets to the page table's width: shapes that do
         not depend on the step, and a mask computed on the device, so a replay stays right as the requests grow."""
@@ -148,6 +220,16 @@ class TorchBackend(AttentionBackend):
         out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :],
                                              scale=scale, enable_gqa=True)
         return out[:, :, 0, :]  # [B, H, D]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None):
+    """Softmax attention that also returns each query's log-sum-exp, which merging partial results needs (SDPA does
+    not return it). q: [..., M, D], k and v: [..., L, D], mask additive -> ([..., M, D] float32, [..., M] float32)."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # [..., M, L]
+    if mask is not None:
+        scores = scores + mask
+    lse = torch.logsumexp(scores, dim=-1)  # [..., M]
+    return (scores - lse[..., None]).exp() @ v.float(), lse
 
 
 def gather_kv(cache: torch.Tensor, page_table: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor:
