@@ -94,8 +94,8 @@ class Scheduler:
     priority_aging_steps: int = 64  # every this many steps waiting, a request's priority rises by one
     log_interval: int = 0  # log throughput every N decode steps (0: never)
     record_stats: bool = False
-    # Process step N-1's results while step N runs (False: stage 4's synchronous loop). None: on CUDA only, since
-    # on a CPU the forward would run on a worker thread, where torch's small matmuls are slower (README, Figures).
+    # Process step N-1's results while step N runs (False: stage 4's synchronous loop). None: on CUDA only: on a CPU
+    # the forward would run on a second thread, and two threads running torch's kernels slow both (README, Figures).
     overlap: bool | None = None
     waiting: list[Req] = field(default_factory=list)
     stats: list[StepStats] = field(default_factory=list)
