@@ -36,7 +36,9 @@ def test_known_names_resolve_to_checkpoints(name: str) -> None:
     assert (folder / "config.json").is_file()
     assert (folder / "tokenizer.json").is_file()
     assert (folder / "generation_config.json").is_file()
-    assert list(folder.glob("*.safetensors"))
+    # Published shapes (qwen3-32b, ...) are config-only, run with load_format="dummy"; every other model has weights.
+    config_only = getattr(models.KNOWN_MODELS[name], "func", None) is models._build_shape
+    assert bool(list(folder.glob("*.safetensors"))) != config_only
     assert models.resolve_model(name) == folder  # cached: same folder, nothing rebuilt
     assert not list(folder.parent.glob(f".{name}.tmp-*")), "temp build folder left behind"
 
