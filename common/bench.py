@@ -375,9 +375,10 @@ def main(argv: list[str] | None = None) -> None:
     bench_serving.add_parser(sub)
     bench_moe.add_parser(sub)
     bench_progression.add_parser(sub)
+    for command, func in ((batch, bench_batch), (load, bench_load), (offline, bench_offline), (overlap, bench_overlap)):
+        command.set_defaults(func=func)
     args = parser.parse_args(argv)
-    commands = {"batch": bench_batch, "load": bench_load, "offline": bench_offline, "overlap": bench_overlap}
-    (commands.get(args.cmd) or args.func)(args)
+    args.func(args)
 
 
 if __name__ == "__main__":

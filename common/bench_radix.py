@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -114,16 +113,14 @@ def hf_generate(model, pad_id: int, batch_size: int):
 def random_checkpoint(shape_name: str, folder: Path, device: str) -> Path:
     """A random-weight checkpoint of a published shape, with tiny-llama's (SmolLM2's) tokenizer files."""
     from common.bench_gpu_stage5 import ModelShape, build_checkpoint
-    from common.models import resolve_model
+    from common.models import copy_tokenizer, resolve_model
 
     tokenizer_source = resolve_model("tiny-llama")
     shapes = {"qwen3-0.6b": ModelShape.qwen3_0_6b, "llama3-8b": ModelShape.llama3_8b, "tiny": ModelShape.tiny}
     shape = shapes[shape_name]()
     vocab = json.loads((tokenizer_source / "config.json").read_text())["vocab_size"]
     build_checkpoint(dataclasses.replace(shape, vocab=max(shape.vocab, vocab)), folder, device)  # every token id fits
-    for f in tokenizer_source.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(f, folder / f.name)
+    copy_tokenizer(tokenizer_source, folder)
     return folder
 
 
@@ -137,14 +134,14 @@ def bench_radix(args) -> None:
         run_bench_radix(args, resolve_model(args.model), args.model)
 
 
-def run_bench_radix(args, path: Path, name: str) -> None:
+def run_bench_radix(args, path: Path, label: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import stage6_radix
     from common.bench import header
 
     tok = AutoTokenizer.from_pretrained(str(path))
-    header(f"prefix cache: {name}, {args.device} {args.dtype}, stage 6 with the radix cache on / off vs HF generate, "
+    header(f"prefix cache: {label}, {args.device} {args.dtype}, stage 6 with the radix cache on / off vs HF generate, "
            "greedy, ignore_eos")
     common = dict(device=args.device, dtype=args.dtype, max_running_requests=64, verbose=False, record_stats=True,
                   attention_backend="torch" if args.device == "cpu" else None)

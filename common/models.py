@@ -77,6 +77,11 @@ def _copy_files(src: Path, dst: Path, names: tuple[str, ...]) -> None:
             shutil.copyfile(src / name, dst / name)
 
 
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """Copy a checkpoint folder's tokenizer files (tokenizer, its config, chat template, special tokens) into dst."""
+    _copy_files(src, dst, _TOKENIZER_FILES)
+
+
 def _write_generation_config(model: Any, bos: int, eos: int) -> None:
     from transformers import GenerationConfig
 
@@ -190,7 +195,7 @@ def _build_tiny(config_cls_name: str, seed: int, config: dict[str, Any], dst: Pa
     from transformers import AutoModelForCausalLM
 
     tok_dir = _tokenizer_source(cache_dir)
-    _copy_files(tok_dir, dst, _TOKENIZER_FILES)  # byte for byte, so every model tokenizes the same
+    copy_tokenizer(tok_dir, dst)  # byte for byte, so every model tokenizes the same
     ref = json.loads((tok_dir / "config.json").read_text())
 
     config_cls = getattr(transformers, config_cls_name)  # by name: importing us stays cheap
@@ -250,7 +255,7 @@ def _build_shape(config: dict[str, Any], dst: Path, cache_dir: Path, **cut: int)
     """A config-only checkpoint folder (no weights): the published config, optionally cut (`num_hidden_layers`,
     `vocab_size`), with SmolLM2's tokenizer files so that text goes in and out."""
     tok_dir = _tokenizer_source(cache_dir)
-    _copy_files(tok_dir, dst, _TOKENIZER_FILES)
+    copy_tokenizer(tok_dir, dst)
     ref = json.loads((tok_dir / "config.json").read_text())
     config = {**config, **cut, "bos_token_id": ref["bos_token_id"], "eos_token_id": ref["eos_token_id"]}
     (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -30,6 +30,7 @@ to the page table's full width, with a mask from the device's seq_lens (`decode_
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -127,9 +128,7 @@ class TorchBackend(AttentionBackend):
         if shared:  # the groups cover each request's keys after the shared prefix
             meta.shared_kv_indices = kv_indices[:shared]  # request 0's first keys: everyone's
             own = [n - shared for n in fb.seq_lens_cpu]
-            own_indptr = [0]
-            for n in own:
-                own_indptr.append(own_indptr[-1] + n)
+            own_indptr = [0, *itertools.accumulate(own)]
             own_indices = torch.cat([kv_indices[start + shared : end] for start, end in zip(kv_indptr, kv_indptr[1:])])
             meta.order, meta.decode_groups = plan_decode_groups(own, own_indptr, own_indices)
         else:
