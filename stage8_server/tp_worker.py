@@ -98,7 +98,7 @@ def start_ranks(spec: RankSpec, dist_init_addr: str) -> tuple[TPInfo, object, Lo
 
 
 def serve_node(spec: RankSpec, node_rank: int, dist_init_addr: str) -> None:
-    """On node N > 0 (`python -m stage7_tp --node-rank N`): run this node's ranks until rank 0 shuts them down."""
+    """On node N > 0 (`python -m stage8_server --node-rank N`): run this node's ranks until rank 0 shuts them down."""
     first = node_rank * spec.ranks_per_node
     ranks = LocalRanks(run_follower, list(range(first, first + spec.ranks_per_node)), (spec, dist_init_addr))
     ranks.join()  # until rank 0 tells them to stop, or one fails

@@ -100,7 +100,7 @@ class LLM:
         Stage 7: tp_size > 1 splits the model over that many ranks: this process is rank 0, the others are spawned
         (a script doing this must create the LLM under `if __name__ == "__main__":`, as with any spawned process).
         With nnodes > 1 this process and tp_size / nnodes ranks run on this machine (node 0); each other node runs
-        `python -m stage7_tp --node-rank N` with the same flags. dist_init_addr ("host:port", where rank 0 listens)
+        `python -m stage9_moe --node-rank N` with the same flags. dist_init_addr ("host:port", where rank 0 listens)
         is needed then; on one node a free local port is picked. load_format "dummy": random weights.
 
         disable_overlap: None (default) overlaps on CUDA and not on a CPU; False forces it on, True off.
@@ -311,7 +311,7 @@ def rank_spec(model_path: Path, tokenizer_config, tp_size: int, nnodes: int, opt
 def serve_node(model: str | Path, node_rank: int, tp_size: int, nnodes: int, dist_init_addr: str,
                tokenizer_config: TokenizerConfig | None = None, **options) -> None:
     """Run node `node_rank` (> 0) of a multi-node tensor-parallel engine: its tp_size / nnodes ranks, until rank 0
-    (the LLM on node 0, with the same options) shuts them down. `python -m stage7_tp --node-rank N` calls this."""
+    (the LLM on node 0, with the same options) shuts them down. `python -m stage9_moe --node-rank N` calls this."""
     if not 0 < node_rank < nnodes:
         raise ValueError(f"node_rank must be in [1, {nnodes}) here; node 0 runs the LLM itself")
     spec = rank_spec(resolve_model_path(model), tokenizer_config, tp_size, nnodes, options)

@@ -25,8 +25,8 @@ Which one runs (`runner_backend`, SGLang's --moe-runner-backend): "auto" takes t
 kernels run (CUDA; or a CPU under TRITON_INTERPRET=1 when kernels.use_backend("triton") asks for it), the
 reference otherwise; "triton" forces the fused path, "torch" the reference.
 
-Tensor parallelism (the plan; this stage runs on one device): each of tp_size ranks holds a slice of EVERY
-expert's intermediate dim, I / tp_size rows of gate and of up and the matching columns of down. silu(gate) * up
+Tensor parallelism (`tp_size` > 1, stage 7's ranks): each of tp_size ranks holds a slice of EVERY expert's
+intermediate dim, I / tp_size rows of gate and of up and the matching columns of down. silu(gate) * up
 is elementwise along that dim, so a rank computes its slice exactly, and its down GEMM gives a partial sum over
 its slice: the ranks' outputs add up to the layer's output. The router is replicated (every rank computes the
 same top-k), and one all-reduce ends the layer. `FusedMoE(tp_rank, tp_size)` slices in its weight_loader and

@@ -4,7 +4,7 @@
 - "triton": our own kernels (triton_backend.py). The default on CUDA; on a CPU it runs in Triton's interpreter.
 - "flash_attn": the flash-attention 2 library (flash_attn_backend.py), if installed. CUDA only.
 
-The triton and flash_attn modules are imported only when asked for, so `import stage2_batch` never imports triton
+The triton and flash_attn modules are imported only when asked for, so `import stage3_weights` never imports triton
 (slow to import, and on a CPU its interpreter mode must be chosen before the kernels are defined).
 """
 
