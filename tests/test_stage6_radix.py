@@ -304,3 +304,54 @@ def test_bench_radix_on_a_random_shape_runs_on_a_cpu(capsys):
     assert out.count("radix == no cache: True") == 2, out
     hit = re.search(r"shared\s+radix\s+[\d.]+\s+[\d.]+\s+[\d.]+x\s+(\d+)%", out)
     assert hit and int(hit.group(1)) >= 80, out  # ~512 of each ~550-token prompt is the shared system prompt
+
+
+def test_fcfs_keeps_arrival_order_when_prompts_share_a_prefix_in_one_batch(path):
+    """Two new prompts of one batch that share 48 tokens: the cache-aware order (lpm) lets the second wait one
+    step for the first's pages; fcfs admits them in the order they came, as first come first served says."""
+    rng = random.Random(9)
+    prefix = [rng.randrange(100, 40000) for _ in range(48)]
+    prompts = [prefix + [1, 2], prefix + [3, 4], [rng.randrange(100, 40000) for _ in range(20)]]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    for policy, first_batch in (("fcfs", [0, 1, 2]), ("lpm", [0, 2])):
+        llm = LLM(path, attention_backend="torch", page_size=4, schedule_policy=policy, disable_overlap=True,
+                  verbose=False)
+        rids = [llm.add_request(p, params) for p in prompts]
+        llm.step()
+        assert [r.rid for r in llm.scheduler.decoder.running] == [rids[i] for i in first_batch], policy
+        while llm.has_unfinished_requests():
+            llm.step()
+        assert_no_leak(llm)
+
+
+def count_calls(obj, name: str) -> list:
+    calls, real = [], getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        calls.append(obj.step_count)
+        return real(*args, **kwargs)
+    setattr(obj, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("limit", ["rows", "pages"])
+def test_the_waiting_queue_is_ordered_only_when_a_prefill_can_be_built(path, limit):
+    """Ordering the queue walks the tree once per waiting request: a step that cannot admit anyone (every
+    page-table row taken, or the head of the queue waiting for pages nobody gave back yet) does not order it."""
+    prompts, params = shared_prefix_workload(6, seed=10, max_out=16)
+    want = [r.token_ids for r in LLM(path, attention_backend="torch", disable_radix_cache=True,
+                                     verbose=False).generate(prompts, params)]
+    options = dict(max_running_requests=2) if limit == "rows" else dict(max_total_tokens=128)
+    llm = LLM(path, attention_backend="torch", page_size=4, record_stats=True, disable_overlap=True,
+              verbose=False, **options)
+    sorts = count_calls(llm.scheduler, "sort_waiting")
+    assert [r.token_ids for r in llm.generate(prompts, params)] == want
+    prefills = [s.step for s in llm.scheduler.stats if s.phase == "prefill"]
+    # Every ordering led to a prefill, or (pages) to the one attempt that found the pool full, after which the
+    # queue waits for a request to finish: never one per decode step.
+    assert len(llm.scheduler.stats) > 2 * len(sorts), (len(llm.scheduler.stats), len(sorts))
+    if limit == "rows":
+        assert sorts == prefills
+    else:
+        assert set(prefills) <= set(sorts) and len(sorts) <= len(prefills) + len(prompts)
+    assert_no_leak(llm)

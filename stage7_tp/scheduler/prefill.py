@@ -20,7 +20,9 @@ Rules, in order:
    (capped so that at least one token is computed: its logits give the first new token), and only the rest counts
    against the budgets. Unlocked tree pages count as available: they are evicted when the free list runs short,
    long before any running request would be preempted. Two new requests of one batch that share a prefix would
-   both compute it (neither is in the tree yet): the second waits one step and then finds it there.
+   both compute it (neither is in the tree yet): under the cache-aware order (lpm) the second waits one step and
+   then finds it there; under fcfs arrival order wins and both compute it (SGLang deprioritizes only under its
+   cache-aware policies).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class PrefillAdder:
                              f"{chunked_prefill_size}")
         self.cache, self.max_prefill_tokens = cache, max_prefill_tokens
         self.chunked_prefill_size = chunked_prefill_size if chunked_prefill_size > 0 else None
+        self.out_of_pages = False  # the last build stopped at a request the pool could not hold
 
     def future_tokens(self, req: Req, max_context_len: int) -> int:
         """The most tokens the request may still add to its KV cache (clipped as SGLang does)."""
@@ -68,9 +71,12 @@ class PrefillAdder:
         return shared - matched >= max(IN_BATCH_PREFIX_THRESHOLD, self.cache.page_size)
 
     def build(self, chunked: Req | None, waiting: list[Req], running: list[Req], new_token_ratio: float,
-              max_context_len: int) -> tuple[Batch | None, list[Req]]:
-        """-> (the prefill batch or None, the waiting requests it admitted). `waiting` is in priority order."""
+              max_context_len: int, cache_aware: bool = True) -> tuple[Batch | None, list[Req]]:
+        """-> (the prefill batch or None, the waiting requests it admitted). `waiting` is in priority order;
+        cache_aware: it was ordered by prefix match (lpm), so a request may wait for an in-batch prefix (rule 5).
+        Sets `out_of_pages` when a request had to wait because the pool could not hold it."""
         reqs, admitted = [], []
+        self.out_of_pages = False
         rem_input, rem_chunk = self.max_prefill_tokens, self.chunked_prefill_size  # token budgets left
         reserved = self.reserved_pages(running, new_token_ratio, max_context_len)
         promised = 0  # pages of future tokens promised to the requests admitted so far
@@ -81,7 +87,7 @@ class PrefillAdder:
                 break  # every page-table row is taken: max_running_requests reached
             if is_new:  # stage 6: the tree may already hold the start of its prompt; lock it while we decide
                 matched = self.cache.match_prefix(req)
-                if self.shares_with_batch(in_batch, req, matched):
+                if cache_aware and self.shares_with_batch(in_batch, req, matched):
                     continue  # next step it finds that prefix in the tree instead of computing it twice now
                 self.cache.lock(req)
             cached = matched if is_new else req.cached_len
@@ -98,6 +104,7 @@ class PrefillAdder:
             if extend == 0 or need_now + need_later > self.cache.num_available_pages - reserved - promised:
                 if is_new:
                     self.cache.unlock(req)
+                self.out_of_pages = extend > 0
                 break  # head-of-line request does not fit now; decoding (or eviction) will free pages
             if is_new:
                 self.cache.acquire_row(req)  # its row starts with the matched pages; cached_len = matched

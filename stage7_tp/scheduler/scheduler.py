@@ -20,7 +20,9 @@ Stage 6, the prefix cache: admission looks each prompt up in the radix tree (Pre
 and each chunk of one, goes into the tree at once (CacheManager.cache_unfinished); a request that ends puts the
 rest of its pages there (CacheManager.release). The waiting queue is ordered cache-aware within a priority level
 (`schedule_policy="lpm"`, longest prefix match first: requests that share a cached prefix run while it is cached),
-or first come first served (`"fcfs"`).
+or first come first served (`"fcfs"`). Ordering costs a tree walk per waiting request, so it is done only in a step
+that can build a prefill (a page-table row is free, and no request is still waiting for pages since the last ones
+were given back: SGLang's `batch_is_full`).
 
 Stage 5, overlap scheduling ("zero-overhead" scheduler): each step *launches* batch N and then processes the
 results of batch N-1 while N runs, so the device never waits for the CPU's bookkeeping.
@@ -142,6 +144,7 @@ class Scheduler:
         self.deferred: list[Req] = []  # finished, but still in a launched batch: pages released after it
         self.ready_outputs: list[StepOutput] = []  # results read early by a drain, returned by this step
         self.admitted_tokens = self.cached_tokens = 0  # prompt tokens of every admission, and those from the tree
+        self.batch_is_full = False  # a waiting request did not fit: no prefill until some request frees pages
 
     # ---------------------------------------------------------------- requests in and out
     def add_request(self, req: Req) -> None:
@@ -219,13 +222,16 @@ class Scheduler:
 
     def schedule(self) -> tuple[Batch | None, list[Req]]:
         """Stage 4's choice of the next batch; with overlap, on host state that already counts launched steps."""
-        self.sort_waiting()
         batch, preempted = None, []
         # Prefill first (new requests join the decode batch sooner), except that a prompt being prefilled in
         # chunks alternates with decode steps: that is what chunking is for.
-        if not (self.chunked is not None and self.last_phase == "prefill" and self.decoder.running):
+        if self.prefill_possible():
+            cache_aware = self.sort_waiting()
             batch, admitted = self.prefill_adder.build(self.chunked, self.waiting, self.decoder.running,
-                                                       self.new_token_ratio, self.engine.max_context_len)
+                                                       self.new_token_ratio, self.engine.max_context_len,
+                                                       cache_aware)
+            # SGLang's batch_is_full: a request the pool cannot hold now waits until some request gives pages back
+            self.batch_is_full = self.prefill_adder.out_of_pages
             if batch is not None:
                 self.waiting = [r for r in self.waiting if r not in admitted]
                 self.admitted_tokens += sum(len(r.all_ids) for r in admitted)
@@ -239,16 +245,27 @@ class Scheduler:
         batch, preempted = self.decoder.build(lambda r: (self.effective_priority(r), -r.arrival, -r.rid),
                                               self.done_launching)
         self.waiting.extend(preempted)
+        self.batch_is_full = self.batch_is_full and not preempted  # their pages are free again
         self.total_preemptions += len(preempted)
         self.update_new_token_ratio(preempted)
         return batch, preempted
 
-    def sort_waiting(self) -> None:
+    def prefill_possible(self) -> bool:
+        """Can this step build a prefill batch at all? Asked before the waiting queue is ordered, because ordering
+        it costs a tree walk per request (tens of milliseconds a step for a hundred long waiting prompts), wasted
+        whenever the answer is no; SGLang's get_new_batch_prefill returns early the same way before calc_priority."""
+        if self.chunked is not None:  # a prompt prefilled in chunks continues, alternating with decode steps
+            return not (self.last_phase == "prefill" and self.decoder.running)
+        return bool(self.waiting) and self.cache.can_run() and not self.batch_is_full
+
+    def sort_waiting(self) -> bool:
         """Priority (with ageing) first; within a level, longest cached prefix first ("lpm") or arrival order.
-        Matching every waiting request costs a tree walk each, so, as SGLang does, a long queue falls back to FCFS."""
+        Matching every waiting request costs a tree walk each, so, as SGLang does, a long queue falls back to FCFS.
+        -> whether the order was cache-aware."""
         lpm = self.schedule_policy == "lpm" and self.cache.tree is not None and len(self.waiting) <= LPM_MAX_QUEUE
         matched = {r.rid: self.cache.match_prefix(r) if lpm else 0 for r in self.waiting}
         self.waiting.sort(key=lambda r: (-self.effective_priority(r), -matched[r.rid], r.arrival, r.rid))
+        return lpm
 
     @property
     def cache_hit_rate(self) -> float:
@@ -262,6 +279,7 @@ class Scheduler:
     def flush_cache(self) -> None:
         """Empty the prefix cache of everything no running request uses (SGLang's /flush_cache)."""
         self.cache.flush()
+        self.batch_is_full = False
 
     def done_launching(self, req: Req) -> bool:
         """Its launched tokens already reach max_new_tokens or the context: feed it no more."""
@@ -360,6 +378,7 @@ class Scheduler:
         for req in [r for r in self.deferred if r.rid not in still_launched]:
             self.deferred.remove(req)
             self.cache.release(req)
+            self.batch_is_full = False
         if pending.timing is not None and self.record_stats:
             pending.timing.device = self.worker.times(events)
             pending.timing.process = (t0, time.perf_counter())
@@ -383,6 +402,7 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: str, matched=None) -> None:
         req.status, req.finish_reason, req.matched_stop = ReqStatus.FINISHED, reason, matched
+        self.batch_is_full = False  # its pages come back (now, or once its launched step is read)
         if req.table_idx >= 0:
             if self._launched(req):
                 self.deferred.append(req)  # a launched batch may still write its KV pages: release after it
