@@ -27,7 +27,7 @@ import torch
 
 from common import bench_moe
 
-TESTS = ["tests/test_stage9_kernels.py", "tests/test_stage9_moe.py"]
+TESTS = ["tests/test_stage9_kernels.py", "tests/test_stage9_moe.py", "tests/test_stage9_upstream_cases.py"]
 
 
 def run_cuda_tests(out: Path, timeout: int) -> dict:

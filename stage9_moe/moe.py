@@ -49,7 +49,7 @@ MOE_RUNNER_BACKENDS = ("auto", "triton", "torch")
 @dataclass
 class TopKOutput:
     topk_weights: torch.Tensor  # [N, top_k] routing weight of each chosen expert
-    topk_ids: torch.Tensor  # [N, top_k] int64 expert ids, highest probability first
+    topk_ids: torch.Tensor  # [N, top_k] expert ids (int64 from torch.topk; int32 works too), best first
     router_logits: torch.Tensor  # [N, E]
 
 
@@ -76,13 +76,14 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int,
                          num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the token slots by expert and pad each expert's run to a multiple of block_size (SGLang's name).
 
-    topk_ids: [M, k]. Slot s = t * k + j is token t's j-th choice. Returns
+    topk_ids: [M, k], int32 or int64 (SGLang's and vLLM's top-k give int32, torch.topk int64). Slot s = t * k + j
+    is token t's j-th choice. Returns
       sorted_token_ids  [EM] int32: slots expert by expert (in slot order within an expert), each run padded with
                         the invalid id M * k; EM is an upper bound on the padded length, so no host sync is needed
       expert_ids        [EM / block_size] int32: the expert of each block (blocks past the end: any valid id)
       num_tokens_post_padded  [1] int32: the real padded length, sum over experts of ceil(count / block) * block
     """
-    flat = topk_ids.flatten()  # [S]
+    flat = topk_ids.flatten().long()  # [S] int64: what scatter_add_'s index and the counts below need
     S, E, bs, dev = flat.numel(), num_experts, block_size, flat.device
     # At most min(E, S) experts are non-empty, each wasting < block_size entries; and no more than S blocks.
     em = min(S + min(E, S) * (bs - 1), S * bs)
