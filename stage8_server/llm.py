@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import random
 import weakref
@@ -19,14 +18,14 @@ import torch
 import torch.distributed as dist
 
 from .core import Req, SamplingParams
-from .distributed import SINGLE, TPError, broadcast_object, describe, free_port
+from .distributed import SINGLE, TPError, broadcast_object, check_not_importing_main, describe, free_port
 from .engine import check_device
 from .models import ModelConfig, check_tp_size
 from .scheduler import StepOutput
 from .tokenizer import Messages, TokenizerConfig
 from . import tp_worker
-from .tp_worker import (Command, RankSpec, abandon_ranks, build_rank, rank_report, shutdown_ranks,
-                        start_ranks)
+from .tp_worker import (AbortRequest, AddRequest, Command, FlushCache, RankSpec, abandon_ranks, build_rank,
+                        rank_report, shutdown_ranks, start_ranks)
 
 Prompt = Union[str, list[int]]
 
@@ -88,7 +87,7 @@ class LLM:
                  progress: bool | None = None, verbose: bool = True, disable_cuda_graph: bool = False,
                  cuda_graph_max_bs: int = 64, disable_overlap: bool | None = None,
                  disable_radix_cache: bool = False, schedule_policy: str = "lpm", tp_size: int = 1, nnodes: int = 1,
-                 dist_init_addr: str | None = None, load_format: str = "auto"):
+                 dist_init_addr: str | None = None, load_format: str = "auto", enable_tp_sync_check: bool = False):
         """dtype: float32, bfloat16, float16 or "auto" (the checkpoint's). max_total_tokens / mem_fraction_static:
         the KV pool's size (engine.plan_kv_pool). max_prefill_tokens, chunked_prefill_size, schedule_conservativeness:
         admission (scheduler/prefill.py). progress: a loading progress bar (None: when stderr is a terminal).
@@ -100,10 +99,15 @@ class LLM:
         With nnodes > 1 this process and tp_size / nnodes ranks run on this machine (node 0); each other node runs
         `python -m stage8_server --node-rank N` with the same flags. dist_init_addr ("host:port", where rank 0 listens)
         is needed then; on one node a free local port is picked. load_format "dummy": random weights.
+        enable_tp_sync_check: after every step, compare the batch each rank built and the tokens it sampled, and
+        raise TPDivergenceError naming the step and the ranks that differ (one gather over the control group per
+        step: a debugging guard, off by default).
 
         disable_overlap: None (default) overlaps on CUDA and not on a CPU; False forces it on, True off.
         With overlap on, the LLM owns a device-worker thread: `close()` (or `with LLM(...) as llm:`) stops it, and
         the other ranks; an LLM that is garbage-collected, or still open when the interpreter exits, is closed then."""
+        if tp_size > 1:
+            check_not_importing_main(f"LLM(tp_size={tp_size})")
         self.model_path = resolve_model_path(model)
         if nnodes > 1 and dist_init_addr is None:
             raise ValueError("nnodes > 1 needs dist_init_addr (host:port of rank 0, reachable from every node)")
@@ -114,7 +118,8 @@ class LLM:
             cuda_graph_max_bs=cuda_graph_max_bs, load_format=load_format, max_prefill_tokens=max_prefill_tokens,
             chunked_prefill_size=chunked_prefill_size, schedule_conservativeness=schedule_conservativeness,
             log_interval=log_interval, record_stats=record_stats, disable_overlap=disable_overlap,
-            disable_radix_cache=disable_radix_cache, schedule_policy=schedule_policy))
+            disable_radix_cache=disable_radix_cache, schedule_policy=schedule_policy,
+            enable_tp_sync_check=enable_tp_sync_check))
         self.tp_size, self._control, self._ranks, tp = tp_size, None, None, SINGLE
         if tp_size > 1:
             config = ModelConfig.from_hf(json.loads((self.model_path / "config.json").read_text()))
@@ -122,7 +127,7 @@ class LLM:
             if device != "cpu":
                 check_device(spec.device_for(spec.ranks_per_node - 1))  # every rank of this node needs its GPU
             tp, self._control, self._ranks = start_ranks(spec, dist_init_addr or f"127.0.0.1:{free_port()}")
-        self._pending = Command()  # what the other ranks must be told at the next step
+        self._pending = Command()  # the control operations of this turn, applied by every rank at the next step
         try:
             self.tokenizer, self.engine, self.scheduler = self._collective(
                 lambda: build_rank(spec, 0, tp, self._control, verbose))
@@ -137,6 +142,8 @@ class LLM:
         """Run fn (which meets the other ranks); if a rank failed, say which, with its traceback."""
         try:
             return fn()
+        except TPError:  # already names the ranks (the divergence guard)
+            raise
         except Exception as exc:
             if self._ranks is None and self._control is None:
                 raise
@@ -183,29 +190,42 @@ class LLM:
         params = req.sampling_params
         if self.tp_size > 1 and params.seed is None and not params.is_greedy:
             req.sampling_params = replace(params, seed=random.getrandbits(63))  # every rank must draw the same token
-        self.scheduler.add_request(req)
-        if self.tp_size > 1:
-            self._pending.adds.append(copy.deepcopy(req))  # as it is now: the other ranks add it at the next step
+        self.scheduler.check_request(req)  # refused now, by name; accepted, it joins at the next step
+        self._pending.ops.append(AddRequest(req))
 
     def step(self) -> list[StepOutput]:
-        """One forward pass of the engine; what each touched request produced. With tensor parallelism, first
-        tell the other ranks what changed, then step together."""
+        """One forward pass of the engine; what each touched request produced. First every rank applies this
+        turn's control operations (adds, aborts, flushes) in the order they were called: with tensor parallelism
+        rank 0 broadcasts them, then all step together."""
         if self.closed:
             raise RuntimeError("this LLM was closed (close() or the end of its `with` block): it cannot step")
-        if self._control is not None:
-            cmd, self._pending = self._pending, Command()
-            self._collective(lambda: broadcast_object(cmd, self._control))
-        return self._collective(self.scheduler.step)
+        cmd, self._pending = self._pending, Command()
+
+        def apply_and_step() -> list[StepOutput]:
+            if self._control is not None:
+                broadcast_object(cmd, self._control)
+            cmd.apply(self.scheduler)
+            return self.scheduler.step()
+        return self._collective(apply_and_step)
 
     def abort_request(self, rid: int) -> None:
-        """Stop a request now: it finishes with reason "abort" and gives its pages back."""
-        self.scheduler.abort(rid)
-        self._pending.aborts.append(rid)
+        """Stop a request at the next step: it finishes with reason "abort" and gives its pages back. (An unknown
+        or finished rid is ignored.)"""
+        self._pending.ops.append(AbortRequest(rid))
 
     def flush_cache(self) -> None:
-        """Empty the prefix cache of everything no running request uses (on every rank)."""
-        self.scheduler.flush_cache()
-        self._pending.flush_cache = True
+        """At the next step, empty the prefix cache of everything no running request uses (on every rank)."""
+        self._pending.ops.append(FlushCache())
+
+    def has_request(self, rid: int) -> bool:
+        """Unfinished: queued, running, or added this turn."""
+        return rid in self.scheduler.reqs or any(isinstance(op, AddRequest) and op.req.rid == rid
+                                                 for op in self._pending.ops)
+
+    @property
+    def has_pending_ops(self) -> bool:
+        """Control operations wait for the next step to be applied."""
+        return bool(self._pending.ops)
 
     def rank_reports(self) -> list[dict]:
         """Every rank's memory (weights, replicated part, KV pool), rank 0 first."""
@@ -220,7 +240,7 @@ class LLM:
         return reports
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or any(isinstance(op, AddRequest) for op in self._pending.ops)
 
     def close(self) -> None:
         """Read back the step in flight, stop the device-worker thread and the other ranks. The LLM cannot step
@@ -302,7 +322,8 @@ def rank_spec(model_path: Path, tokenizer_config, tp_size: int, nnodes: int, opt
     scheduler = {k: options[k] for k in SCHEDULER_OPTIONS}
     disable_overlap = options["disable_overlap"]
     scheduler["overlap"] = None if disable_overlap is None else not disable_overlap  # None: on CUDA only
-    return RankSpec(model_path, tokenizer_config, engine, scheduler, tp_size, nnodes)
+    return RankSpec(model_path, tokenizer_config, engine, scheduler, tp_size, nnodes,
+                    options.get("enable_tp_sync_check", False))
 
 
 def serve_node(model: str | Path, node_rank: int, tp_size: int, nnodes: int, dist_init_addr: str,

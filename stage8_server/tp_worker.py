@@ -1,15 +1,22 @@
 """What every tensor-parallel rank runs: its shard of the engine, the same scheduler, stepped in lockstep.
 
 SGLang's shape: every rank runs its own copy of the (deterministic) scheduler. Rank 0 owns the requests (it is the
-LLM's process): at the start of every step it broadcasts what changed since the last one (new requests, aborts);
-then every rank takes the same scheduling decisions on the same state, launches the same batch on its shard, and
-the collectives inside the forward pass meet. Every rank samples the same token from the same (all-gathered)
-logits. Only rank 0 hands results to the caller.
+LLM's process): every control operation (add a request, abort one, flush the cache) is recorded, in call order, in
+one list; at the start of every step rank 0 broadcasts the list, and every rank, rank 0 included, applies it in
+that order before it steps. Then every rank takes the same scheduling decisions on the same state, launches the
+same batch on its shard, and the collectives inside the forward pass meet. Every rank samples the same token from
+the same (all-gathered) logits. Only rank 0 hands results to the caller.
 
     rank 0 (LLM.step)                          rank r > 0 (run_follower)
-    broadcast Command(adds, aborts)  ------->  cmd = broadcast(); apply it
+    broadcast Command(ops)  --------------->   cmd = broadcast()
+    cmd.apply(scheduler)                       cmd.apply(scheduler)     the same ops, in the same order
     scheduler.step()  <== all-reduces ==>      scheduler.step()
     -> outputs to the caller                   (its outputs are dropped: they are rank 0's too)
+
+Applying an operation when it is called on rank 0 and later on the others would let the order differ: a flush
+then an abort keeps the aborted request's pages in rank 0's tree and drops them from the others', the next prompt
+with that prefix is matched differently, and the ranks' batches no longer have the same shape. At tp 1 the same
+list is applied at the same point: one code path.
 
 The alternative shape (rank 0 schedules alone and broadcasts each batch) sends more bytes every step and leaves
 the other ranks unable to run the overlap scheduler or the radix cache on their own; keeping the scheduler
@@ -19,15 +26,17 @@ seeds: a request that samples without a seed gets one drawn on rank 0).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Union
 
 import torch
 import torch.distributed as dist
 
 from .core import Req
-from .distributed import (SINGLE, LocalRanks, TPError, TPInfo, broadcast_object, describe, destroy,
+from .distributed import (SINGLE, LocalRanks, TPError, TPInfo, broadcast_object, check_in_sync, describe, destroy,
                           init_process_groups)
 from .engine import Engine, check_device
 from .scheduler import Scheduler
@@ -44,6 +53,7 @@ class RankSpec:
     scheduler: dict  # Scheduler keyword arguments
     tp_size: int = 1
     nnodes: int = 1
+    enable_tp_sync_check: bool = False  # compare every step's batch and tokens across ranks (check_in_sync)
 
     @property
     def ranks_per_node(self) -> int:
@@ -57,22 +67,42 @@ class RankSpec:
 
 
 @dataclass
-class Command:
-    """What rank 0 tells the other ranks at the start of a step."""
+class AddRequest:
+    req: Req  # pickled when broadcast: every other rank gets it as it was when added
 
-    adds: list[Req] = field(default_factory=list)
-    aborts: list[int] = field(default_factory=list)
-    flush_cache: bool = False
+    def apply(self, scheduler: Scheduler) -> None:
+        scheduler.add_request(self.req)
+
+
+@dataclass
+class AbortRequest:
+    rid: int
+
+    def apply(self, scheduler: Scheduler) -> None:
+        scheduler.abort(self.rid)
+
+
+@dataclass
+class FlushCache:
+    def apply(self, scheduler: Scheduler) -> None:
+        scheduler.flush_cache()
+
+
+ControlOp = Union[AddRequest, AbortRequest, FlushCache]
+
+
+@dataclass
+class Command:
+    """What rank 0 tells every rank at the start of a step: the control operations since the last step, in the
+    order they were called. Every rank, rank 0 included, applies them in that order, then steps."""
+
+    ops: list[ControlOp] = field(default_factory=list)
     report: bool = False  # gather every rank's memory report instead of stepping
     shutdown: bool = False
 
     def apply(self, scheduler: Scheduler) -> None:
-        for req in self.adds:
-            scheduler.add_request(req)
-        for rid in self.aborts:
-            scheduler.abort(rid)
-        if self.flush_cache:
-            scheduler.flush_cache()
+        for op in self.ops:
+            op.apply(scheduler)
 
 
 def build_rank(spec: RankSpec, rank: int, tp: TPInfo = SINGLE, control=None, verbose: bool = True):
@@ -83,17 +113,23 @@ def build_rank(spec: RankSpec, rank: int, tp: TPInfo = SINGLE, control=None, ver
                     eos_token_ids=tokenizer.eos_token_ids, tp=tp, control_group=control)
     if tokenizer.config.max_length is None:  # leave room for at least one generated token
         tokenizer.config.max_length = engine.max_context_len - 1
-    return tokenizer, engine, Scheduler(engine, tokenizer, **spec.scheduler)
+    # Ranks 1+ hand no text to anyone: they detokenize only what stop strings need.
+    scheduler = Scheduler(engine, tokenizer, **spec.scheduler, stream_text=rank == 0)
+    if spec.enable_tp_sync_check and tp.size > 1:
+        scheduler.tp_sync_check = functools.partial(check_in_sync, control_group=control)
+    return tokenizer, engine, scheduler
 
 
 def start_ranks(spec: RankSpec, dist_init_addr: str) -> tuple[TPInfo, object, LocalRanks]:
     """On node 0: spawn ranks 1 .. ranks_per_node-1 of this node, join the process groups as rank 0."""
     ranks = LocalRanks(run_follower, list(range(1, spec.ranks_per_node)), (spec, dist_init_addr))
     try:
-        tp, control = init_process_groups(0, spec.tp_size, dist_init_addr, torch.device(spec.device_for(0)))
+        tp, control = init_process_groups(0, spec.tp_size, dist_init_addr, torch.device(spec.device_for(0)),
+                                          check_ranks=ranks.check_started)
     except Exception as exc:
+        failures = ranks.failures()
         ranks.stop(timeout=1)
-        raise TPError(describe(ranks.failures(), exc)) from exc
+        raise TPError(describe(failures, exc)) from exc
     return tp, control, ranks
 
 

@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--node-rank", type=int, default=0,
                         help="this machine's index; node 0 serves the requests, the others serve their ranks")
     parser.add_argument("--dist-init-addr", default=None, help="host:port where rank 0 listens (multi-node)")
+    parser.add_argument("--enable-tp-sync-check", action="store_true",
+                        help="compare every step's batch and sampled tokens across the tp ranks; raise where they "
+                             "differ (a debugging guard: one gather per step)")
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="dummy: random weights of the checkpoint's shapes (no weights read)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         disable_overlap=args.disable_overlap, disable_radix_cache=args.disable_radix_cache,
         schedule_policy=args.schedule_policy, progress=args.progress, verbose=not args.quiet, tp_size=args.tp_size,
         nnodes=args.nnodes, dist_init_addr=args.dist_init_addr, load_format=args.load_format,
-        moe_runner_backend=args.moe_runner_backend)
+        enable_tp_sync_check=args.enable_tp_sync_check, moe_runner_backend=args.moe_runner_backend)
     if args.node_rank > 0:  # another machine's share of the tensor-parallel ranks: serve them until node 0 is done
         engine_args.pop("verbose")
         try:

@@ -7,9 +7,10 @@
 Two process groups, because two threads of every rank talk to the others:
 - the *model* group (NCCL on CUDA, gloo on a CPU): the all-reduces and all-gathers of the forward pass, issued by
   the device worker (stage 5) one step after another, in the same order on every rank;
-- the *control* group (always gloo, on the CPU): rank 0's scheduler commands (new requests, aborts, shutdown),
-  broadcast at the start of every step from the main thread. On one group the two threads' collectives could
-  interleave differently on different ranks, and every rank would wait for a message another rank never sends.
+- the *control* group (always gloo, on the CPU): rank 0's scheduler commands (new requests, aborts, cache
+  flushes, shutdown), broadcast at the start of every step from the main thread, and the optional divergence
+  guard's gather after it. On one group the two threads' collectives could interleave differently on different
+  ranks, and every rank would wait for a message another rank never sends.
 
 Failures must not hang: a rank that raises sends its traceback to rank 0 and exits; a rank that dies breaks its
 sockets, so the others' next collective fails at once (a timeout bounds the rest), and rank 0 reports which rank
@@ -19,6 +20,7 @@ died and why.
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 import queue
 import socket
@@ -80,16 +82,52 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_process_groups(rank: int, world_size: int, dist_init_addr: str, device: torch.device):
-    """Join the ranks (blocks until all world_size have joined) -> (TPInfo of the model group, control group)."""
-    host = dist_init_addr.rsplit(":", 1)[0]
+def init_process_groups(rank: int, world_size: int, dist_init_addr: str, device: torch.device,
+                        check_ranks=None):
+    """Join the ranks (blocks until all world_size have joined) -> (TPInfo of the model group, control group).
+
+    Rank 0 hosts the rendezvous store at dist_init_addr and waits there until every rank has checked in, calling
+    check_ranks() (which raises if a rank it spawned has already died) as it waits: a rank that fails while
+    starting ends the wait at once instead of after COLLECTIVE_TIMEOUT."""
+    host, port = dist_init_addr.rsplit(":", 1)
     if host in ("127.0.0.1", "localhost") and "GLOO_SOCKET_IFNAME" not in os.environ:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # all ranks on this machine: talk over loopback only
+    store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=COLLECTIVE_TIMEOUT,
+                          wait_for_workers=False)
+    joined = store.add("ranks_joined", 1)
+    deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+    while rank == 0 and joined < world_size:
+        if check_ranks is not None:
+            check_ranks()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {joined} of {world_size} tensor-parallel ranks joined at {dist_init_addr} "
+                               f"within {COLLECTIVE_TIMEOUT.total_seconds():.0f} s")
+        time.sleep(0.05)
+        joined = store.add("ranks_joined", 0)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{dist_init_addr}", rank=rank, world_size=world_size,
-                            timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
     return TPInfo(rank, world_size, dist.group.WORLD), control
+
+
+def check_not_importing_main(what: str) -> None:
+    """A spawned rank starts by running the script that started it again, as module `__mp_main__`
+    (multiprocessing's "spawn"; CUDA needs it). A script that creates the LLM at its top level would make every
+    rank create one, and start ranks of its own. Say what to change, as vLLM and PyTorch do, instead of failing
+    somewhere deep in multiprocessing. (Only a spawned process runs a module named __mp_main__.)"""
+    frame = inspect.currentframe()
+    while frame is not None and not (frame.f_code.co_name == "<module>"
+                                     and frame.f_globals.get("__name__") == "__mp_main__"):
+        frame = frame.f_back
+    if frame is None:
+        return
+    script = frame.f_globals.get("__file__", "the main script")
+    raise RuntimeError(
+        f"{what} was called while a tensor-parallel rank was starting: each rank is a new process that first runs "
+        f"{script} again, and that script creates the LLM when it is run, not only when it is the main program. "
+        f"Create it under `if __name__ == \"__main__\":` (line {frame.f_lineno} of {script} is not), e.g.\n\n"
+        f"    def main():\n        llm = LLM(..., tp_size=2)\n        ...\n\n"
+        f"    if __name__ == \"__main__\":\n        main()\n")
 
 
 def broadcast_object(obj, control_group):
@@ -97,6 +135,32 @@ def broadcast_object(obj, control_group):
     box = [obj]
     dist.broadcast_object_list(box, src=0, group=control_group)
     return box[0]
+
+
+def check_in_sync(step: int, record, control_group) -> None:
+    """The divergence guard (enable_tp_sync_check): gather every rank's record of this step (the batch it built,
+    the tokens it sampled) and raise, on every rank, if any differs from rank 0's. Ranks that disagree would
+    otherwise go on until their collectives no longer match: a size error over gloo, a hang or silent corruption
+    over NCCL. SGLang's closest knob, SYNC_TOKEN_IDS_ACROSS_TP, all-reduces the token ids so that ranks agree;
+    this one reports the first step where they did not."""
+    records: list = [None] * dist.get_world_size(control_group)
+    dist.all_gather_object(records, record, group=control_group)
+    problem = describe_divergence(step, records)
+    if problem is not None:
+        raise TPDivergenceError(problem)
+
+
+def describe_divergence(step: int, records: list) -> str | None:
+    """records[r] = rank r's (batch, tokens) of one step -> None if all equal, else which ranks differ and how."""
+    differ = [r for r in range(1, len(records)) if records[r] != records[0]]
+    if not differ:
+        return None
+    lines = [f"tensor-parallel ranks diverged at scheduler step {step}: rank(s) {differ} differ from rank 0"]
+    for part, name in ((0, "batch (phase, [(rid, cached_len, extend_len)])"), (1, "sampled [(rid, token ids)]")):
+        for r in differ:
+            if records[r][part] != records[0][part]:
+                lines.append(f"  {name}: rank 0 {records[0][part]}, rank {r} {records[r][part]}")
+    return "\n".join(lines)
 
 
 def min_over_ranks(value: int, control_group) -> int:
@@ -134,6 +198,12 @@ class LocalRanks:
         for p in self.procs.values():
             p.start()
 
+    def check_started(self) -> None:
+        """Raise if a rank's process has ended while rank 0 still waits for every rank to join."""
+        ended = [r for r, p in self.procs.items() if p.exitcode is not None]
+        if ended:
+            raise TPError(f"tensor-parallel rank(s) {ended} ended while starting")
+
     def failures(self, wait: float = 5.0) -> list[RankFailure]:
         """The ranks that failed, with why. A collective can fail a moment before the peer's death is visible
         (its socket closes as it dies): wait up to `wait` seconds for some evidence."""
@@ -153,8 +223,9 @@ class LocalRanks:
         found = {rank: RankFailure(rank, message) for rank, message in self.reported.items()}
         for rank, p in self.procs.items():
             if rank not in found and p.exitcode not in (None, 0):
-                how = f"killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with status {p.exitcode}"
-                found[rank] = RankFailure(rank, f"its process was {how}")
+                how = (f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else
+                       f"exited with status {p.exitcode} (what it printed on stderr says why)")
+                found[rank] = RankFailure(rank, f"its process {how}")
         return sorted(found.values(), key=lambda f: (f.lost_connection, f.rank))  # the cause first
 
     def join(self, timeout: float | None = None) -> None:
@@ -186,6 +257,10 @@ def run_rank(target, rank: int, errors, *args) -> None:
 
 class TPError(RuntimeError):
     """A tensor-parallel rank failed; the message names it and carries its traceback."""
+
+
+class TPDivergenceError(TPError):
+    """The ranks built different batches or sampled different tokens (check_in_sync)."""
 
 
 def describe(failures: list[RankFailure], cause: BaseException | None = None) -> str:

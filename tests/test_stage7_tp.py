@@ -4,20 +4,25 @@ rank that fails ends the engine with its name instead of a hang."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
 
+import tp_checks
 from common.golden import failures, load_golden
 from common.models import resolve_model
-from stage7_tp import LLM, SamplingParams
+from stage7_tp import LLM, SamplingParams, tp_worker
+from stage7_tp.distributed import TPDivergenceError, TPError, describe_divergence, free_port, valid_tp_sizes
+from stage7_tp.llm import rank_spec
 from stage7_tp.core import Req
-from stage7_tp.distributed import TPError, free_port, valid_tp_sizes
+from stage7_tp.tp_worker import Command, build_rank
 
 TINY = ["tiny-llama", "tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"]
 
@@ -41,7 +46,7 @@ def test_golden_at_tp_2_and_4(model):
         if tp not in valid_tp_sizes(*heads(model)):
             continue
         with LLM(str(resolve_model(model)), attention_backend="torch", tp_size=tp, chunked_prefill_size=64,
-                 max_total_tokens=8192, disable_overlap=False, verbose=False) as llm:
+                 max_total_tokens=8192, disable_overlap=False, enable_tp_sync_check=True, verbose=False) as llm:
             assert llm.engine.tp.size == tp and llm.scheduler.overlap and llm.scheduler.cache.tree is not None
             problems = golden_run(llm, model)
         assert not problems, f"{model} at tp {tp}:\n" + "\n".join(problems)
@@ -49,7 +54,7 @@ def test_golden_at_tp_2_and_4(model):
 
 def test_smollm2_at_tp_3(smollm2_path):
     """SmolLM2 has 9 query heads and 3 KV heads: tp 3 gives each rank 3 query heads and one KV head."""
-    with LLM(str(smollm2_path), tp_size=3, max_total_tokens=8192, verbose=False) as llm:
+    with LLM(str(smollm2_path), tp_size=3, max_total_tokens=8192, enable_tp_sync_check=True, verbose=False) as llm:
         assert llm.engine.num_kv_heads == 1 and llm.engine.model.model.layers[0].self_attn.num_heads == 3
         problems = golden_run(llm, "smollm2-135m-instruct")
     assert not problems, "\n".join(problems)
@@ -79,7 +84,7 @@ def test_dummy_weights_are_the_same_model_at_every_tp(tiny_llama_path):
     outs = {}
     for tp in (1, 2):
         with LLM(str(tiny_llama_path), attention_backend="torch", tp_size=tp, load_format="dummy",
-                 max_total_tokens=4096, verbose=False) as llm:
+                 max_total_tokens=4096, enable_tp_sync_check=True, verbose=False) as llm:
             assert llm.engine.load_stats.bytes_read == 0
             outs[tp] = [r.token_ids for r in llm.generate(prompts, params)]
     with LLM(str(tiny_llama_path), attention_backend="torch", max_total_tokens=4096, verbose=False) as real:
@@ -95,11 +100,11 @@ def test_two_nodes_on_localhost_match_one(tiny_llama_path):
         want = [r.token_ids for r in one_node.generate(prompts, params)]
     node1 = subprocess.Popen([sys.executable, "-m", "stage7_tp", "--model", path, "--attention-backend", "torch",
                               "--tp-size", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr,
-                              "--max-total-tokens", "4096"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
+                              "--max-total-tokens", "4096", "--enable-tp-sync-check"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
     try:
         with LLM(path, attention_backend="torch", tp_size=4, nnodes=2, dist_init_addr=addr,
-                 max_total_tokens=4096, verbose=False) as llm:
+                 max_total_tokens=4096, enable_tp_sync_check=True, verbose=False) as llm:
             assert sorted(llm._ranks.procs) == [1]  # node 0 holds ranks 0 and 1; node 1 ranks 2 and 3
             assert [r.token_ids for r in llm.generate(prompts, params)] == want
         assert node1.wait(timeout=60) == 0, node1.stdout.read()
@@ -123,12 +128,11 @@ def test_killing_a_rank_ends_the_engine_naming_it(tiny_llama_path):
     assert not any(p.is_alive() for p in llm._ranks.procs.values()), "no rank outlives the engine"
 
 
-def test_an_exception_in_a_rank_reaches_the_caller_with_its_traceback(tiny_llama_path):
+def test_an_exception_in_a_rank_reaches_the_caller_with_its_traceback(tiny_llama_path, monkeypatch):
+    monkeypatch.setattr(tp_worker, "run_follower", functools.partial(tp_checks.follower_that_raises, "stage7_tp", 2))
     llm = LLM(str(tiny_llama_path), attention_backend="torch", tp_size=2, max_total_tokens=4096, verbose=False)
-    bad = Req(99, [1, 2], SamplingParams(max_new_tokens=5))
-    bad.sampling_params.temperature = -1.0  # rank 0 would refuse it; smuggled in, rank 1 raises on it
-    llm._pending.adds.append(bad)
-    with pytest.raises(TPError, match=r"(?s)rank 1 failed: Traceback.*temperature must be >= 0"):
+    llm.add_request([1, 2], SamplingParams(max_new_tokens=5))
+    with pytest.raises(TPError, match=r"(?s)rank 1 failed: Traceback.*fault injected into rank 1 at step 2"):
         for _ in range(3):
             llm.step()
     llm.close()
@@ -153,7 +157,8 @@ def test_sampling_without_a_seed_agrees_across_ranks(tiny_llama_path):
     a seed. Run twice with tp 2: both runs stay consistent (no hang, no error), and seeded requests reproduce."""
     params = [SamplingParams(max_new_tokens=10, temperature=1.0, ignore_eos=True),
               SamplingParams(max_new_tokens=10, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)]
-    with LLM(str(tiny_llama_path), attention_backend="torch", tp_size=2, max_total_tokens=4096, verbose=False) as llm:
+    with LLM(str(tiny_llama_path), attention_backend="torch", tp_size=2, max_total_tokens=4096,
+             enable_tp_sync_check=True, verbose=False) as llm:
         a = llm.generate([[1, 2, 3], [1, 2, 3]], params)
         b = llm.generate([[1, 2, 3], [1, 2, 3]], params)
     assert a[1].token_ids == b[1].token_ids and len(a[0].token_ids) == 10
@@ -162,7 +167,8 @@ def test_sampling_without_a_seed_agrees_across_ranks(tiny_llama_path):
 def test_command_line(tiny_llama_path):
     out = subprocess.run([sys.executable, "-m", "stage7_tp", "--model", str(tiny_llama_path), "--no-chat",
                           "--prompt", "Hello", "--prompt", "Bonjour", "--max-new-tokens", "4", "--ignore-eos",
-                          "--tp-size", "2", "--max-total-tokens", "4096"], capture_output=True, text=True, timeout=300)
+                          "--tp-size", "2", "--max-total-tokens", "4096", "--enable-tp-sync-check"],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "2 requests, 8 tokens" in out.stdout and "tp rank 0 of 2" in out.stderr
     bad = subprocess.run([sys.executable, "-m", "stage7_tp", "--model", str(tiny_llama_path), "--tp-size", "3"],
@@ -184,3 +190,91 @@ def test_bench_tp_served_runs_end_to_end_on_a_cpu(tmp_path):
     assert all(r["decode_ms_bs1"] > 0 and r["tok_s_bs32"] > 0 and r["kv_tokens"] > 0 for r in rows)
     assert rows[1]["weights_gib"] < 0.75 * rows[0]["weights_gib"]  # each of 2 ranks holds about half
     assert "| 2 |" in (tmp_path / "stage7_gpu.md").read_text()
+
+
+def test_a_flush_and_an_abort_in_one_turn_apply_in_call_order_on_every_rank(tiny_llama_path):
+    """Flush then abort keeps the aborted request's prompt pages (locked while it ran, so the flush spared them;
+    the abort then gave them to the tree); abort then flush empties the tree. Each rank applies the turn's list in
+    call order, so tp 2 (guarded) matches tp 1 in tokens and cached counts."""
+    results = {}
+    for tp in (1, 2):
+        with LLM(str(tiny_llama_path), attention_backend="torch", tp_size=tp, max_total_tokens=4096,
+                 enable_tp_sync_check=True, verbose=False) as llm:
+            results[tp] = tp_checks.flush_and_abort_in_one_turn(llm, SamplingParams)
+    assert [cached for _, cached in results[1]] == [48, 0]
+    assert results[2] == results[1]
+
+
+def test_control_operations_wait_for_the_next_step_and_leave_nothing_behind(tiny_llama_path):
+    """At tp 1 too, adds, aborts and flushes are one list applied at the next step; every step empties it."""
+    llm = LLM(str(tiny_llama_path), attention_backend="torch", max_total_tokens=4096, verbose=False)
+    with pytest.raises(ValueError, match="temperature"):
+        llm.add_request([1, 2], SamplingParams(temperature=-1.0))  # refused at once, by name
+    rids = [llm.add_request([1, 2, 3], SamplingParams(max_new_tokens=40, ignore_eos=True)) for _ in range(3)]
+    assert llm.has_unfinished_requests() and llm.has_request(rids[0]) and not llm.scheduler.reqs
+    for rid in rids:
+        llm.step()
+        llm.abort_request(rid)
+        llm.flush_cache()
+    llm.step()
+    assert llm._pending == Command() and not llm.has_unfinished_requests()
+    llm.scheduler.check_integrity()
+    llm.close()
+
+
+def test_ranks_after_0_hand_out_no_text_and_stop_where_rank_0_does(tiny_llama_path):
+    """A follower's outputs go to nobody: it detokenizes only for stop strings, and stops where rank 0 stops."""
+    options = {**tp_checks.llm_defaults(LLM), "attention_backend": "torch", "max_total_tokens": 2048,
+               "progress": False}
+    spec = rank_spec(tiny_llama_path, None, 1, 1, options)
+    runs = {}
+    for rank in (0, 1):
+        _, _, scheduler = build_rank(spec, rank, verbose=False)  # tp 1: the whole model, built as rank `rank`
+        for rid, stop in ((0, None), (1, "e")):
+            scheduler.add_request(Req(rid, [5, 6, 7], SamplingParams(max_new_tokens=30, stop=stop)))
+        detokenized = set(scheduler.detok)
+        outs = {0: [], 1: []}
+        while scheduler.has_unfinished():
+            for o in scheduler.step():
+                outs[o.rid].append((o.new_token_ids, o.text_delta, o.finish_reason))
+        runs[rank] = detokenized, outs
+    (lead_detok, lead), (follow_detok, follow) = runs[0], runs[1]
+    assert lead_detok == {0, 1} and follow_detok == {1}, "rank 1 keeps a detokenizer only for stop strings"
+    assert [[(t, r) for t, _, r in lead[rid]] for rid in (0, 1)] == \
+        [[(t, r) for t, _, r in follow[rid]] for rid in (0, 1)]
+    assert lead[1][-1][2] == "stop" and "".join(d for _, d, _ in lead[0])
+    assert not any(d for rid in (0, 1) for _, d, _ in follow[rid])
+
+
+def test_the_divergence_guard_names_the_step_and_the_rank(tiny_llama_path, monkeypatch):
+    """Rank 1's sampler is made to disagree once (its 3rd call: step 3); the guard stops the engine there."""
+    monkeypatch.setattr(tp_worker, "run_follower",
+                        functools.partial(tp_checks.follower_with_a_wrong_token, "stage7_tp", 3))
+    with LLM(str(tiny_llama_path), attention_backend="torch", tp_size=2, max_total_tokens=4096,
+             enable_tp_sync_check=True, verbose=False) as llm:
+        with pytest.raises(TPDivergenceError, match=r"(?s)at scheduler step 3: rank\(s\) \[1\] differ.*sampled"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    text = describe_divergence(7, [(("prefill", [(0, 48, 4)]), [(0, [9])]), (("prefill", [(0, 48, 4)]), [(0, [9])]),
+                                   (("prefill", [(0, 0, 52)]), [(0, [9])])])
+    assert text.startswith("tensor-parallel ranks diverged at scheduler step 7: rank(s) [2] differ from rank 0")
+    assert "batch (phase, [(rid, cached_len, extend_len)]): rank 0 ('prefill', [(0, 48, 4)]), rank 2" in text
+    assert describe_divergence(7, [((None, []), [])] * 2) is None
+
+
+def test_a_script_without_a_main_guard_is_told_what_to_add(tiny_llama_path, tmp_path):
+    """Each rank re-runs the script that spawned it: a script that creates LLM(tp_size=2) at its top level gets
+    the fix in words, at once, instead of a closed queue after the two-minute rendezvous timeout."""
+    script = tmp_path / "no_main_guard.py"
+    script.write_text(textwrap.dedent(f"""\
+        from stage7_tp import LLM
+        llm = LLM({str(tiny_llama_path)!r}, attention_backend="torch", tp_size=2, max_total_tokens=4096)
+        print(llm.generate([[1, 2, 3]])[0].token_ids)
+        """))
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 1
+    assert "LLM(tp_size=2) was called while a tensor-parallel rank was starting" in out.stderr
+    assert 'if __name__ == "__main__":' in out.stderr and f"line 2 of {script}" in out.stderr
+    assert "rank 1 failed: its process exited with status 1" in out.stderr and "is closed" not in out.stderr
+    assert time.perf_counter() - start < 100, "rank 0 stopped waiting as soon as rank 1 died"

@@ -464,7 +464,7 @@ def test_tensor_parallel_server_gives_the_offline_tokens(tiny_llama_path, tiny_o
     rng = random.Random(5)
     prompts = [random_prompt(rng, rng.randint(3, 30)) for _ in range(8)]
     with running_server(tiny_llama_path, "--tp-size", "2", "--max-total-tokens", "8192",
-                        "--served-model-name", "tiny-llama") as server:
+                        "--served-model-name", "tiny-llama", "--enable-tp-sync-check") as server:
         def complete(prompt):
             return server.client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12,
                                                     temperature=0, extra_body={"ignore_eos": True}).choices[0].text

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import tp_checks
 from common.golden import failures, load_golden
 from common.models import resolve_model
 from stage9_moe import LLM, CheckpointError, SamplingParams, UnsupportedModelError, kernels
@@ -411,13 +412,23 @@ def test_gpu_benchmark_rehearses_on_a_cpu(tmp_path):
 def test_golden_at_tp_2(name):
     """Each rank holds half of every expert's intermediate width; one all-reduce per MoE layer."""
     golden = load_golden(name)
-    with LLM(str(resolve_model(name)), tp_size=2, max_total_tokens=8192, verbose=False) as llm:
+    with LLM(str(resolve_model(name)), tp_size=2, max_total_tokens=8192, enable_tp_sync_check=True,
+             verbose=False) as llm:
         experts = next(m for m in llm.engine.model.modules() if type(m).__name__ == "FusedMoE")
         assert experts.tp_size == 2 and experts.w13_weight.shape[1] == experts.intermediate_size  # 2 * I / 2
         results = llm.generate([c["prompt"] for c in golden["cases"]],
                                SamplingParams(max_new_tokens=golden["max_new_tokens"]))
     problems = failures(results, golden)
     assert not problems, "\n".join(problems)
+
+
+def test_a_flush_and_an_abort_in_one_turn_give_a_moe_model_at_tp_2_the_cache_of_tp_1():
+    results = {}
+    for tp in (1, 2):
+        with LLM(str(resolve_model("tiny-qwen3-moe")), tp_size=tp, max_total_tokens=4096, enable_tp_sync_check=True,
+                 verbose=False) as llm:
+            results[tp] = tp_checks.flush_and_abort_in_one_turn(llm, SamplingParams)
+    assert [cached for _, cached in results[1]] == [48, 0] and results[2] == results[1]
 
 
 def test_a_moe_model_served_gives_the_golden_tokens():

@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -114,7 +115,9 @@ class Scheduler:
     overlap: bool | None = None
     disable_radix_cache: bool = False  # True: no prefix cache, stage 5's behaviour
     schedule_policy: str = "lpm"  # waiting-queue order within a priority level: "lpm" (longest prefix match), "fcfs"
-    stream_text: bool = True  # False (stage 8): text comes from the detokenizer process; stop strings still here
+    stream_text: bool = True  # False: no text deltas (tensor-parallel ranks 1+); stop strings are still checked
+    # Stage 7: called after each step with (step, (batch shape, sampled tokens)) to compare them across ranks
+    tp_sync_check: Callable | None = None
     waiting: list[Req] = field(default_factory=list)
     stats: list[StepStats] = field(default_factory=list)
     timings: list[StepTiming] = field(default_factory=list)  # per step, when record_stats
@@ -150,7 +153,8 @@ class Scheduler:
         self.batch_is_full = False  # a waiting request did not fit: no prefill until some request frees pages
 
     # ---------------------------------------------------------------- requests in and out
-    def add_request(self, req: Req) -> None:
+    def check_request(self, req: Req) -> None:
+        """Raise ValueError, naming the problem, if add_request would refuse the request; changes nothing."""
         params = req.sampling_params
         params.validate()
         self.engine.check_prompt_fits(len(req.input_ids))
@@ -161,6 +165,10 @@ class Scheduler:
                              "max_new_tokens")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+
+    def add_request(self, req: Req) -> None:
+        self.check_request(req)
+        params = req.sampling_params
         req.arrival = self.step_count
         self.reqs[req.rid] = req
         if self.tokenizer is not None and (self.stream_text or params.stop_strings):
@@ -206,7 +214,10 @@ class Scheduler:
         if self.inflight and any(r.sampling_params.has_penalties for r in self.reqs.values()):
             self.drain()  # penalties read every earlier token on the host: no placeholders allowed
         batch, preempted = self.schedule()
+        shape = None
         if batch is not None:
+            if self.tp_sync_check is not None:
+                shape = (batch.phase, [(r.rid, r.cached_len, r.extend_len) for r in batch.reqs])
             self.launch(batch, start)
         # With overlap, leave the step just launched running and read the one before; without, read it now.
         while len(self.inflight) > (1 if self.overlap and batch is not None else 0):
@@ -221,6 +232,8 @@ class Scheduler:
                                             self.cache.num_used_pages, len(preempted), time.perf_counter() - start,
                                             self.cache_hit_rate, self.tree_tokens))
             self._maybe_log(batch, len(outputs))
+        if self.tp_sync_check is not None:
+            self.tp_sync_check(self.step_count, (shape, [(o.rid, o.new_token_ids) for o in outputs]))
         return outputs
 
     def schedule(self) -> tuple[Batch | None, list[Req]]:

@@ -2,9 +2,10 @@
 
     loop:
         receive: block on the socket (zmq poll, with a timeout) when there is no work; drain it without blocking
-                 when there is: new requests -> add_request, aborts -> abort, control -> a reply to the API server
-        step():  one forward pass of the engine (the same Scheduler.step as offline)
-        send:    the step's token ids (and finish reasons, logprobs) to the detokenizer, one message per step
+                 when there is: new requests -> add_req, aborts -> abort_request, flush_cache, in arrival order
+        step():  the LLM's step: every rank applies this turn's operations in that order, then one forward pass
+        send:    the step's token ids (and finish reasons, logprobs) to the detokenizer, one message per step;
+                 the replies to this turn's control requests, which now see the flush done
 
 The loop never waits for a client, never decodes text and never holds the GIL of the HTTP process: the only thing
 that can stall it is the forward pass itself. Stop strings are still checked here, with the scheduler's own
@@ -38,11 +39,13 @@ class SchedulerLoop:
         self.recv, self.to_detokenizer, self.to_api = recv, to_detokenizer, to_api
         self.later: list[TokenizedGenerateReqInput] = []  # copies of a prompt (n > 1), added one step late
         self.unannounced: set[int] = set()  # rids whose first output (with their stop strings) is not sent yet
+        self.controls: list[ControlReq] = []  # answered after this turn's step has applied their operations
         self.num_aborted = 0  # requests aborted while unfinished (clients that went away)
 
     def has_work(self) -> bool:
         s = self.scheduler
-        return s.has_unfinished() or bool(s.inflight or s.ready_outputs or self.later)
+        return (self.llm.has_unfinished_requests() or self.llm.has_pending_ops
+                or bool(s.inflight or s.ready_outputs or self.later))
 
     def run_once(self, poll_timeout_ms: int = POLL_TIMEOUT_MS) -> None:
         """One turn of the loop: receive (blocking only when idle), step, send."""
@@ -62,6 +65,9 @@ class SchedulerLoop:
             outputs = [o for o in self.llm.step() if o.req.finish_reason != "abort"]
             if outputs:
                 self.to_detokenizer.send_pyobj(BatchTokenIDOut([self.to_message(o) for o in outputs]))
+        controls, self.controls = self.controls, []
+        for msg in controls:
+            self.to_api.send_pyobj(ControlOut(msg.req_id, self.control(msg.kind)))
 
     def handle(self, msg) -> None:
         if isinstance(msg, BatchTokenizedGenerateReqInput):
@@ -71,7 +77,9 @@ class SchedulerLoop:
         elif isinstance(msg, AbortReq):
             self.abort(msg.rid)
         elif isinstance(msg, ControlReq):
-            self.to_api.send_pyobj(ControlOut(msg.req_id, self.control(msg.kind)))
+            if msg.kind == "flush_cache":
+                self.llm.flush_cache()  # in this turn's list, after what arrived before it: on every rank
+            self.controls.append(msg)
         else:
             logger.error("scheduler: unexpected message %r", type(msg).__name__)
 
@@ -88,9 +96,9 @@ class SchedulerLoop:
     def abort(self, rid: int) -> None:
         """The client went away: finish the request now, so its pages go back to the pool (and its full pages to
         the radix cache). The detokenizer hears of it too, to drop its state."""
-        unfinished = rid in self.scheduler.reqs or any(r.rid == rid for r in self.later)
+        unfinished = self.llm.has_request(rid) or any(r.rid == rid for r in self.later)
         self.later = [r for r in self.later if r.rid != rid]
-        if rid in self.scheduler.reqs:
+        if self.llm.has_request(rid):
             self.llm.abort_request(rid)
         self.num_aborted += unfinished
         self.unannounced.discard(rid)
@@ -111,9 +119,7 @@ class SchedulerLoop:
 
     def control(self, kind: str) -> dict:
         s = self.scheduler
-        if kind == "flush_cache":
-            self.llm.flush_cache()  # on every tensor-parallel rank
-        elif kind != "status":
+        if kind not in ("status", "flush_cache"):  # a flush was applied by the step before this reply
             return {"error": f"unknown control request {kind!r}"}
         try:
             s.check_integrity()
@@ -133,9 +139,9 @@ def run_scheduler(engine_args: dict, ports: PortArgs, ready_conn) -> None:
     """Entry point of the scheduler process: build the engine and its Scheduler, say ready, loop.
 
     Under tensor parallelism one such process runs per rank, each with its share of the weights. Rank 0 alone
-    owns these sockets: it receives the requests and, every turn of the loop, broadcasts what it received to the
-    other ranks, so that every rank adds the same requests and schedules the same batches; only rank 0 sends
-    outputs on (SGLang's shape)."""
+    owns these sockets: it receives the requests and, every turn of the loop, broadcasts what it received (adds,
+    aborts, flushes, in arrival order) to the other ranks, so that every rank applies the same operations in the
+    same order and schedules the same batches; only rank 0 sends outputs on (SGLang's shape)."""
     child = ChildProcess("scheduler", ready_conn)
     if engine_args.get("log_interval"):  # the scheduler's throughput log (--log-interval) is written here
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
