@@ -113,6 +113,13 @@ class Req:
     # those of the top_logprobs_num most likely tokens (computed only for requests that ask).
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # Prompt logprobs (OpenAI's `echo`, SGLang's logprob_start_len): each prompt token t from
+    # logprob_start_len on gets log p(token t | tokens < t), read from the logits at position t - 1
+    # (token 0 has none; -1 asks for nothing). The prefill passes that feed those positions keep
+    # their logits; the values land here, in order.
+    logprob_start_len: int = -1
+    input_token_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    input_logprobs_launched: int = 0  # entries a launched pass computes (values may come later)
 
     def __post_init__(self) -> None:
         # A new request has nothing cached and feeds its whole prompt in the first forward (prefill).
@@ -133,6 +140,30 @@ class Req:
     @property
     def all_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
+
+    @property
+    def first_owed_logprob_position(self) -> int | None:
+        """The position whose logits score the next prompt token owed a logprob (None: none)."""
+        if self.logprob_start_len < 0:
+            return None
+        token = max(self.logprob_start_len, 1) + self.input_logprobs_launched
+        return token - 1 if token < len(self.input_ids) else None
+
+    @property
+    def max_prefix_len(self) -> int:
+        """How much of a radix-tree match the request may use: never its last token (its logits
+        give the next one), nor a position whose logits it still needs for prompt logprobs (SGLang
+        caps the match at logprob_start_len the same way: those positions are computed again)."""
+        owed = self.first_owed_logprob_position
+        return len(self.all_ids) - 1 if owed is None else min(len(self.all_ids) - 1, owed)
+
+    def prompt_logprob_positions(self) -> range:
+        """The next pass's positions whose logits give owed prompt logprobs (p scores p + 1)."""
+        owed = self.first_owed_logprob_position
+        if owed is None:
+            return range(0)
+        assert self.cached_len <= owed, "a position owed a prompt logprob came from the cache"
+        return range(owed, min(self.device_len, len(self.input_ids) - 1))
 
     def next_input_ids(self) -> list[int]:
         """The tokens the next forward pass must feed: those seen by the host but not yet in the KV cache."""

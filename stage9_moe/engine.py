@@ -5,6 +5,7 @@ the scheduler decides which requests run, gives them pages, and calls `forward`.
                    prompt + output to recompute), packed into [N]
     decode batch:  one token per running request, [B]
     both:          -> logits [B, vocab] of each request's last fed token
+                      (stage 8: then [P, vocab] for the prompt positions whose logprobs were asked)
 
 Stage 5 splits `forward` into `prepare` (host: build the tensors; the overlap scheduler runs it on the CPU while the
 device is busy with the previous step) and `run` (device: the model, by CUDA-graph replay for decode batches on a
@@ -256,9 +257,11 @@ class Engine:
 
     def prepare(self, batch: Batch) -> ForwardBatch:
         """Pack the batch's uncached tokens into flat tensors plus the metadata attention needs."""
-        input_ids, positions, seqlens, last = [], [], [], []
+        input_ids, positions, seqlens, last, scored = [], [], [], [], []
         for req in batch.reqs:
             ids = req.next_input_ids()  # extend_len tokens
+            # Stage 8: the positions whose logits the request's prompt logprobs need (usually none).
+            scored += [len(input_ids) + p - req.cached_len for p in req.prompt_logprob_positions()]
             input_ids += ids
             positions += range(req.cached_len, req.device_len)
             seqlens.append(len(ids))
@@ -281,7 +284,7 @@ class Engine:
             max_seq_len=max(seq_lens),
             prefix_lens_cpu=prefix_lens,
             seq_lens_cpu=seq_lens,
-            last_token_indices=as_tensor(last, torch.long),  # [B]
+            last_token_indices=as_tensor(last + scored, torch.long),  # [B + P]: the rows of logits
             kv_pool=self.kv_pool,
             page_table=self.page_table.table,
             attn_backend=self.attn_backend,
@@ -290,10 +293,11 @@ class Engine:
         return fb
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        return self.run(self.prepare(batch))  # [B, vocab]
+        return self.run(self.prepare(batch))  # [B (+ P), vocab]
 
     def run(self, fb: ForwardBatch) -> torch.Tensor:
-        """The device half of a step: resolve future tokens, then graph replay (decode on CUDA) or eager."""
+        """The device half of a step: resolve future tokens, then graph replay (decode on CUDA)
+        or eager. -> logits [B (+ P), vocab]: one row per fb.last_token_indices."""
         ids = fb.input_ids  # [N]; -(row + 1) = "the token row `row` sampled last step", still on the device
         fb.input_ids = torch.where(ids < 0, self.future_tokens[(-ids - 1).clamp(min=0)], ids)
         if self.graph_runner is not None and self.graph_runner.can_run(fb):

@@ -35,7 +35,7 @@ class Server:
         self.pids = self.info()["processes"]
 
     def info(self) -> dict:
-        resp = self.http.get("/get_server_info")
+        resp = self.http.get("/get_server_info", params={"check": 1})  # + the integrity check
         resp.raise_for_status()
         return resp.json()
 
@@ -230,11 +230,13 @@ def test_seeds_reproducible_and_n_copies_share_the_cached_prompt(tiny):
     assert len({ch.text for ch in many.choices}) == 3  # each copy draws its own tokens (seed + copy index)
 
     ids = random_prompt(random.Random(99), 40)  # 2 full pages of 16: what the radix cache can share
+    cached_before = tiny.state()["prompt_tokens_cached"]
     out = tiny.client.completions.create(model="tiny-llama", prompt=ids, max_tokens=4, temperature=0.8, n=4,
                                          seed=5)
-    assert out.usage.prompt_tokens == 40
+    assert out.usage.prompt_tokens == 40  # counted once, and nothing of it was cached before:
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
     # The first copy computes the prompt; the three others find its 32 cached tokens.
-    assert out.usage.prompt_tokens_details.cached_tokens == 3 * 32
+    assert tiny.state()["prompt_tokens_cached"] - cached_before == 3 * 32
 
 
 def test_logprobs_are_the_models(tiny, tiny_offline, tiny_llama_path):

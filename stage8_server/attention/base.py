@@ -36,6 +36,7 @@ class ForwardBatch:
     prefix_lens_cpu: list[int]  # host copies, for the loops of the reference backend
     seq_lens_cpu: list[int]
     last_token_indices: torch.Tensor  # [B] where each request's last new token sits in the packed N
+    # (stage 8: then the P prompt positions whose logprobs were asked): the rows that get logits
     kv_pool: "PagedKVPool"  # noqa: F821 (kv_cache.py)
     page_table: torch.Tensor  # [max_running_reqs, max_pages_per_req] int32 page ids
     attn_backend: "AttentionBackend"

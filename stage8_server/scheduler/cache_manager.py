@@ -64,11 +64,13 @@ class CacheManager:
     # ---------------------------------------------------------------- admission
     def match_prefix(self, req: Req) -> int:
         """How many leading tokens of the request the tree holds (whole pages; never all of them: the last token
-        must be computed, its logits give the next one). Records the match on the request, does not lock it."""
+        must be computed, its logits give the next one; stage 8: nor the positions whose logits its
+        prompt logprobs need, Req.max_prefix_len). Records the match on the request, does not lock
+        it."""
         if self.tree is None:
             req.prefix_indices, req.last_node = torch.empty(0, dtype=torch.int64), None
             return 0
-        match = self.tree.match_prefix(req.all_ids[:-1])
+        match = self.tree.match_prefix(req.all_ids[: req.max_prefix_len])
         req.prefix_indices, req.last_node = match.indices, match.last_node
         return len(match.indices)
 

@@ -67,7 +67,7 @@ class PrefillAdder:
     def shares_with_batch(self, in_batch: RadixCache, req: Req, matched: int) -> bool:
         """SGLang's in-batch prefix caching: a request that would compute, in the same batch as another, a prefix
         of IN_BATCH_PREFIX_THRESHOLD tokens or more that the other computes too waits one step."""
-        shared = len(in_batch.match_prefix(req.all_ids[:-1]).indices)
+        shared = len(in_batch.match_prefix(req.all_ids[: req.max_prefix_len]).indices)
         return shared - matched >= max(IN_BATCH_PREFIX_THRESHOLD, self.cache.page_size)
 
     def build(self, chunked: Req | None, waiting: list[Req], running: list[Req], new_token_ratio: float,

@@ -59,6 +59,7 @@ from .cache_manager import CacheManager
 from .decode import DecodeManager
 from .overlap import DeviceWorker, Pending, StepTiming
 from .prefill import PrefillAdder
+from .prompt_logprobs import prompt_logprob_targets, record_prompt_logprobs, score_prompt
 
 logger = logging.getLogger(__name__.split(".")[0])
 
@@ -83,6 +84,8 @@ class StepOutput:
     req: Req  # the request itself (read-only for callers)
     logprob: float | None = None  # stage 8, when req.return_logprob: the token's log-probability
     top_logprobs: list[tuple[int, float]] | None = None  # and the top_logprobs_num most likely (token id, logprob)
+    # With its first token, a request with logprob_start_len >= 0 gets Req.input_token_logprobs.
+    input_token_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -318,6 +321,8 @@ class Scheduler:
     def launch(self, batch: Batch, start: float) -> None:
         """Prepare the batch's tensors, advance every request as if its step were done, and submit the step."""
         fb = self.engine.prepare(batch)  # reads the placeholders of the step before, if it is still running
+        # Stage 8: the prompt positions it scores, read before the requests advance below.
+        prompt_scored = prompt_logprob_targets(batch, self.engine.device)
         self.last_phase = batch.phase
         if batch.phase == "prefill":
             self.chunked = None  # set again below if this batch cut a prompt
@@ -349,7 +354,9 @@ class Scheduler:
         logprobs: dict = {}
 
         def device_step() -> torch.Tensor:  # runs on the device worker
-            logits = engine.run(fb)  # [B, vocab]
+            logits = engine.run(fb)  # [B (+ P prompt positions), vocab]
+            if prompt_scored is not None:  # stage 8: the rows after the B last tokens
+                logprobs["prompt"] = score_prompt(logits[batch.size :], prompt_scored)
             if not reqs:
                 return torch.empty(0, dtype=torch.long, device=engine.device)
             logits = logits[sel]  # [S, vocab]
@@ -384,7 +391,9 @@ class Scheduler:
         tokens, events = pending.wait()
         t0 = time.perf_counter()
         outputs = []
-        logprobs = logprobs_to_host(pending.logprobs)  # {index in sampled: (logprob, top (id, logprob) pairs)}
+        # {index in sampled: (logprob, top (id, logprob) pairs)}; a pass may have prompt ones only
+        logprobs = logprobs_to_host(pending.logprobs) if "rows" in pending.logprobs else {}
+        record_prompt_logprobs(pending.logprobs.get("prompt"))
         for j, ((req, index), token_id) in enumerate(zip(sampled, tokens)):
             if req.finished:  # it finished at an earlier step (or was aborted) while this one was in flight
                 continue
@@ -399,6 +408,8 @@ class Scheduler:
             logprob, top = logprobs.get(j, (None, None))
             outputs.append(StepOutput(req.rid, [token_id], delta, req.finished, req.finish_reason, req, logprob,
                                       top[: req.top_logprobs_num] if top is not None else None))
+            if index == 0 and req.logprob_start_len >= 0:  # its first token: the prompt is scored
+                outputs[-1].input_token_logprobs = list(req.input_token_logprobs)
         self.decoder.remove_finished()
         still_launched = {r.rid for b, _, _ in self.inflight for r in b.reqs}
         for req in [r for r in self.deferred if r.rid not in still_launched]:

@@ -65,6 +65,8 @@ class GenerateReqInput:
     messages: list[dict] | None = None  # chat: the tokenizer worker applies the model's chat template
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # >= 0: the prompt's logprobs too, from this token on (see Req)
+    echo: bool = False  # completions' echo: the first output carries the prompt's text
 
 
 @dataclass
@@ -76,6 +78,8 @@ class TokenizedGenerateReqInput:
     sampling_params: SamplingParams
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    prompt_text: str | None = None  # echo: the prompt as text (token ids decoded), for output 1
 
 
 @dataclass
@@ -93,10 +97,13 @@ class AbortReq:
 
 @dataclass
 class ControlReq:
-    """A question for the scheduler: "status" (counts, pages, cache, integrity check) or "flush_cache"."""
+    """A question for the scheduler: "status" (counts, pages, cache) or "flush_cache".
+    check_integrity: also walk every page and the whole radix tree (CacheManager.check_integrity),
+    which stalls the scheduler's loop for as long."""
 
     req_id: int
     kind: str
+    check_integrity: bool = False
 
 
 @dataclass
@@ -109,7 +116,7 @@ class ControlOut:
 @dataclass
 class TokenLogprob:
     token_id: int
-    logprob: float
+    logprob: float | None  # None: the prompt's first token, which nothing before it scores
     top: list[tuple[int, float]]  # the most likely tokens at this step: (token id, logprob), best first
     text: str = ""  # filled in by the detokenizer, as are the texts of the top tokens
     top_texts: list[str] = field(default_factory=list)
@@ -127,6 +134,8 @@ class ReqOutput:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
+    input_logprobs: list[TokenLogprob] | None = None  # with the 1st output: the prompt's, if asked
+    prompt_text: str | None = None  # with the first output of an echo request
     stop_strings: list[str] | None = None  # sent with a request's first output: the detokenizer needs them
     text: str = ""  # the text delta: complete characters only, never part of a stop string
     error: str | None = None

@@ -5,13 +5,21 @@ The API server checks shape and types here (a string where a number belongs, a f
 400 naming the field); the tokenizer worker checks every value against the engine (ranges, vocabulary, context).
 Unknown fields are refused rather than ignored: a client that sends `logit_bias` or `tools` learns that this server
 does not do them, instead of getting an answer that silently differs from what it asked for.
+
+Two conventions make real clients work without weakening that:
+- `null` means "not set", for every optional field (OpenAI's SDKs and proxies send it): it is
+  dropped before validation, so the field takes its default.
+- A value that asks for nothing this server would do differently is accepted and dropped (NO_OPS):
+  `store: false`, `tools: []`, `tool_choice: "none"` (with whatever tools: none may be called),
+  `response_format: {"type": "text"}`, and `parallel_tool_calls` once no tools are left. Any other
+  value of those fields is still refused.
 """
 
 from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_N = 128  # OpenAI's limit on n
 
@@ -24,17 +32,38 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        kind = {400: "invalid_request_error", 404: "invalid_request_error", 503: "server_error"}.get(
-            self.status, "server_error")
+        kind = "invalid_request_error" if 400 <= self.status < 500 else "server_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+# Values that ask for nothing this server would do differently: accepted, dropped before validation.
+NO_OPS = {"store": [False], "tools": [[]], "response_format": [{"type": "text"}]}
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_absent(cls, data):
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+def drop_no_ops(body: dict) -> dict:
+    """A request body without its nulls and NO_OPS values (see the module docstring)."""
+    body = {k: v for k, v in body.items() if v is not None}
+    if body.get("tool_choice") == "none":  # no tool may be called: the tools change nothing here
+        del body["tool_choice"]
+        body.pop("tools", None)
+    body = {k: v for k, v in body.items() if not (k in NO_OPS and v in NO_OPS[k])}
+    if "tools" not in body:
+        body.pop("parallel_tool_calls", None)  # how to call several tools at once: there are none
+    return body
+
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage in every chunk
 
 
 class TextPart(Strict):
@@ -72,6 +101,11 @@ class SamplingFields(Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def no_op_is_absent(cls, data):
+        return drop_no_ops(data) if isinstance(data, dict) else data
+
     def sampling_params(self, max_new_tokens: int | None) -> dict:
         """OpenAI names -> SamplingParams names; what is not given keeps the engine's default."""
         params = {"max_new_tokens": max_new_tokens, "temperature": 1.0 if self.temperature is None else
@@ -85,6 +119,12 @@ class SamplingFields(Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: the usage so far in every chunk (with include_usage only,
+        as in vLLM)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -108,8 +148,23 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     # A string, a list of strings, token ids, or a list of token-id lists: one choice per prompt (times n).
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    max_tokens: int = Field(16, ge=0)  # OpenAI's default for completions; 0 only with echo
     logprobs: int | None = Field(None, ge=0, le=5)  # how many top tokens per position (OpenAI's legacy shape)
+    echo: bool = False  # the prompt first, in the text and (with logprobs) in the logprobs
+
+    def max_new_tokens(self) -> int:
+        """max_tokens 0 (lm-eval's loglikelihood: score the prompt, generate nothing) runs the
+        prefill, which samples one token whatever happens; the response leaves it out."""
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens must be >= 1 (0 is allowed only with echo)",
+                           "max_tokens")
+        return max(self.max_tokens, 1)
+
+    @property
+    def logprob_start_len(self) -> int:
+        """SGLang's logprob_start_len: echo with logprobs scores every prompt token (the first one
+        gets null)."""
+        return 0 if self.echo and self.logprobs is not None else -1
 
     def prompts(self) -> list[dict]:
         """Each prompt as GenerateReqInput fields: {"text": ...} or {"input_ids": ...}."""
@@ -149,3 +204,4 @@ class GenerateRequest(Strict):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=20)
+    logprob_start_len: int = Field(-1, ge=-1)  # >= 0: also the prompt's logprobs from this token on

@@ -5,9 +5,10 @@
 
 Everything the engine would refuse is refused here, before the scheduler sees it, with a message naming the field:
 the sampling parameters (SamplingParams.validate), the prompt's token ids (ints inside the vocabulary), the length
-(prompt + max_new_tokens must fit the context, and the KV pool). A bad request costs the scheduler nothing, and an
-exception while handling one request (a chat template that raises, say) is reported for that request alone: the
-worker keeps serving.
+(prompt + max_new_tokens must fit the context, and the KV pool). A request without max_new_tokens
+gets all that is left of the smaller of the two (SGLang's max_req_len, less the prompt). A bad
+request costs the scheduler nothing, and an exception while handling one request (a chat template
+that raises, say) is reported for that request alone: the worker keeps serving.
 
 Aborts and control requests go through here unchanged, on the same socket as the requests, so they reach the
 scheduler in the order the API server sent them.
@@ -46,27 +47,32 @@ class TokenizerWorker:
     def tokenize(self, req: GenerateReqInput) -> BatchTokenizedGenerateReqInput:
         """One prompt -> its n validated copies. Raises RequestError naming the problem."""
         input_ids = self.prompt_ids(req)
-        ctx = self.info.max_context_len
-        if len(input_ids) >= ctx:
-            raise RequestError(f"This model's maximum context length is {ctx} tokens; the prompt has "
-                               f"{len(input_ids)}, leaving no room to generate.", "context_length_exceeded")
+        # Prompt + generated tokens fit the context and the whole KV pool (SGLang's max_req_len).
+        max_req_len = min(self.info.max_context_len, self.info.max_total_tokens)
+        prompt_len, limit = len(input_ids), self.length_limit()
+        if prompt_len >= max_req_len:
+            raise RequestError(f"{limit}; the prompt has {prompt_len}, leaving no room to "
+                               "generate.", "context_length_exceeded")
         params = dict(req.sampling_params)
         unknown = sorted(set(params) - SAMPLING_FIELDS)
         if unknown:
             raise RequestError(f"unknown sampling parameter(s): {', '.join(unknown)}")
-        if params.get("max_new_tokens") is None:  # OpenAI's default for chat: whatever the context leaves
-            params["max_new_tokens"] = ctx - len(input_ids)
+        if params.get("max_new_tokens") is None:  # OpenAI's default for chat: all the request gets
+            params["max_new_tokens"] = max_req_len - prompt_len
         try:
             base = SamplingParams(**params)
         except (TypeError, ValueError) as exc:
             raise RequestError(str(exc)) from None
-        if len(input_ids) + base.max_new_tokens > ctx:
-            raise RequestError(f"This model's maximum context length is {ctx} tokens; the prompt has "
-                               f"{len(input_ids)} and max_tokens asks for {base.max_new_tokens} more.",
+        if prompt_len + base.max_new_tokens > max_req_len:
+            raise RequestError(f"{limit}; the prompt has {prompt_len} and max_tokens asks for "
+                               f"{base.max_new_tokens} more: max_tokens may be at most "
+                               f"{max_req_len - prompt_len} for this prompt.",
                                "context_length_exceeded")
-        if len(input_ids) + base.max_new_tokens > self.info.max_total_tokens:
-            raise RequestError(f"prompt + max_tokens = {len(input_ids) + base.max_new_tokens} tokens, but the "
-                               f"whole KV cache holds {self.info.max_total_tokens}", "context_length_exceeded")
+        start = req.logprob_start_len
+        if not (isinstance(start, int) and not isinstance(start, bool)
+                and -1 <= start < prompt_len):
+            raise RequestError(f"logprob_start_len must be -1 (none) or a prompt position in "
+                               f"[0, {prompt_len}), got {start!r}")
         bad = [t for t in base.stop_token_ids if t >= self.info.vocab_size]
         if bad:
             raise RequestError(f"stop_token_ids must be < the vocabulary size {self.info.vocab_size}, got {bad}")
@@ -80,8 +86,22 @@ class TokenizerWorker:
             # Copies of a seeded request differ from each other, and each is reproducible: copy i uses seed + i.
             seed = None if base.seed is None else base.seed + i
             params_i = dataclasses.replace(base, seed=seed, stop_token_ids=list(base.stop_token_ids))
-            copies.append(TokenizedGenerateReqInput(rid, input_ids, params_i, req.return_logprob, k))
+            prompt_text = self.prompt_text(req, input_ids) if req.echo else None
+            copies.append(TokenizedGenerateReqInput(rid, input_ids, params_i, req.return_logprob, k,
+                                                    start, prompt_text))
         return BatchTokenizedGenerateReqInput(copies)
+
+    def length_limit(self) -> str:
+        ctx, pool = self.info.max_context_len, self.info.max_total_tokens
+        if ctx <= pool:
+            return f"This model's maximum context length is {ctx} tokens"
+        return f"The KV cache holds {pool} tokens (--max-total-tokens), less than the context {ctx}"
+
+    def prompt_text(self, req: GenerateReqInput, input_ids: list[int]) -> str:
+        """What echo puts first: the prompt as sent, or its token ids decoded (OpenAI's, vLLM's)."""
+        if req.text is not None:
+            return req.text
+        return self.tokenizer.decode(input_ids, skip_special_tokens=False)
 
     def prompt_ids(self, req: GenerateReqInput) -> list[int]:
         given = [name for name in ("text", "input_ids", "messages") if getattr(req, name) is not None]

@@ -52,7 +52,7 @@ class DetokenizerWorker:
         out.text = state.take_delta(final=out.finished)
         if out.finished:
             del self.states[out.rid]
-        for lp in out.logprobs or []:
+        for lp in (out.input_logprobs or []) + (out.logprobs or []):
             lp.text = self.token_text(lp.token_id)
             lp.top_texts = [self.token_text(t) for t, _ in lp.top]
         return out

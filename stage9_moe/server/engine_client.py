@@ -111,9 +111,10 @@ class EngineClient:
             logger.error("API server: unexpected message %s", type(msg).__name__)
 
     async def generate(self, prompts: list[dict], sampling_params: dict, n: int = 1, return_logprob: bool = False,
-                       top_logprobs_num: int = 0) -> RequestHandle:
+                       top_logprobs_num: int = 0, **options) -> RequestHandle:
         """prompts: GenerateReqInput fields of each prompt ({"text"}, {"input_ids"} or {"messages"}). Choice
-        index = prompt index * n + copy, as OpenAI numbers them."""
+        index = prompt index * n + copy, as OpenAI numbers them. options: GenerateReqInput's other
+        fields (logprob_start_len, echo)."""
         self.check_alive()
         handle = RequestHandle(self)
         for prompt in prompts:
@@ -122,8 +123,9 @@ class EngineClient:
                 handle.index[rid] = len(handle.index)
                 handle.unfinished.add(rid)
                 self.handles[rid] = handle
-            await self.to_tokenizer.send_pyobj(GenerateReqInput(rids, sampling_params, return_logprob=return_logprob,
-                                                                top_logprobs_num=top_logprobs_num, **prompt))
+            msg = GenerateReqInput(rids, sampling_params, return_logprob=return_logprob,
+                                   top_logprobs_num=top_logprobs_num, **options, **prompt)
+            await self.to_tokenizer.send_pyobj(msg)
         return handle
 
     async def abort(self, rids: list[int]) -> None:
@@ -131,12 +133,12 @@ class EngineClient:
             if self.handles.pop(rid, None) is not None and self.dead is None:
                 await self.to_tokenizer.send_pyobj(AbortReq(rid))
 
-    async def control(self, kind: str) -> dict:
+    async def control(self, kind: str, check_integrity: bool = False) -> dict:
         """Ask the scheduler ("status", "flush_cache"); its reply comes straight back on our inbox."""
         self.check_alive()
         req_id = next(self.ids)
         future = self.controls[req_id] = asyncio.get_running_loop().create_future()
-        await self.to_tokenizer.send_pyobj(ControlReq(req_id, kind))
+        await self.to_tokenizer.send_pyobj(ControlReq(req_id, kind, check_integrity))
         try:
             return await asyncio.wait_for(future, CONTROL_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -148,7 +150,8 @@ class EngineClient:
             raise APIError(503, f"the engine is shutting down: {self.dead}", code="engine_dead")
 
     def fail_all(self, reason: str) -> None:
-        """A process died: every waiting request ends with a 503 now, instead of waiting forever."""
+        """A process died, or the server is shutting down: every waiting request ends with a 503 now
+        (a stream: an error event and [DONE]), instead of waiting forever; nothing more is sent."""
         self.dead = reason
         for rid, handle in list(self.handles.items()):
             handle.queue.put_nowait(ReqOutput(rid, finished=True, finish_reason="error",

@@ -8,7 +8,9 @@
    tokenizer and detokenizer workers (the tokenizer validates against the engine's context length and vocabulary).
    Each has STARTUP_TIMEOUT_S to say it is ready.
 3. Serve. A watchdog thread waits on every child's sentinel: when one dies, it names it, fails every request in
-   flight (503) and stops uvicorn.
+   flight (503) and stops uvicorn. SIGINT and SIGTERM stop uvicorn in order (api_server.APIServer):
+   it stops accepting, every live request is ended (a stream: an error event and [DONE]), the open
+   connections finish, then the API server's sockets close.
 4. On the way out, whatever the reason (SIGINT, SIGTERM, a dead child, a failed start), SIGTERM every child that is
    still alive, wait, SIGKILL the stubborn ones. A dead child makes the exit status 1. Children also watch their
    parent (process.py), so even a SIGKILLed launcher leaves no orphans.
@@ -135,7 +137,7 @@ def launch_server(engine_args: dict, host: str = "127.0.0.1", port: int = 30000,
     """Run the server until SIGINT / SIGTERM or a child's death. Returns the exit status (0: asked to stop)."""
     import uvicorn  # the server's dependencies, imported only by the process that serves
 
-    from .api_server import create_app
+    from .api_server import APIServer, create_app
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SystemExit: the `finally` below stops the children
     launcher = Launcher()
@@ -154,7 +156,7 @@ def launch_server(engine_args: dict, host: str = "127.0.0.1", port: int = 30000,
         server_info = {"model_path": model_path, "engine_args": {k: str(v) for k, v in engine_args.items()},
                        "processes": {"api_server": os.getpid(), **{c.name: c.process.pid for c in launcher.children}}}
         app = create_app(launcher.ports, name, info, server_info)
-        server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2))
+        server = APIServer(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2))
 
         def on_death(message: str) -> None:
             loop = getattr(app.state, "loop", None)

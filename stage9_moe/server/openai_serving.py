@@ -3,15 +3,17 @@ chunks of a stream) and SGLang's /generate shape.
 
 A builder collects each choice's outputs as they arrive. Streaming, every output becomes zero or more chunks at
 once; otherwise the whole response is built at the end. Usage counts each prompt once however many copies (n)
-it had, and sums completion tokens over all choices; cached_tokens sums over all choices (SGLang's convention),
-so with n > 1 it shows what the copies took from the radix cache.
+it had (OpenAI's convention), and sums completion tokens over all choices; cached_tokens counts the
+same prompts once, so it never exceeds prompt_tokens: what the radix cache held of each prompt when
+its first copy arrived. (The other copies then take that prompt from the cache too:
+GET /get_server_info counts those, in prompt_tokens_cached.)
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .messages import ReqOutput, TokenLogprob
 
@@ -25,7 +27,9 @@ class Choice:
     matched_stop: int | str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    input_logprobs: list[TokenLogprob] = field(default_factory=list)  # the prompt's, when asked
     text_offset: int = 0  # completions' logprobs: where the next token's text starts
+    offsets: list[int] = field(default_factory=list)  # completions' logprobs: each text_offset
     started: bool = False  # chat streaming: the chunk with the role was sent
 
 
@@ -33,8 +37,9 @@ class ResponseBuilder:
     id_prefix = "cmpl"
 
     def __init__(self, model: str, num_choices: int, n: int = 1, include_usage: bool = False,
-                 logprobs: bool = False):
+                 logprobs: bool = False, continuous_usage: bool = False):
         self.model, self.n, self.include_usage, self.want_logprobs = model, n, include_usage, logprobs
+        self.continuous_usage = continuous_usage  # vLLM's continuous_usage_stats: usage per chunk
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.choices = [Choice() for _ in range(num_choices)]
@@ -44,6 +49,7 @@ class ResponseBuilder:
         ch.text += out.text
         ch.token_ids += out.token_ids
         ch.logprobs += out.logprobs or []
+        ch.input_logprobs += out.input_logprobs or []
         ch.prompt_tokens, ch.cached_tokens = out.prompt_tokens, out.cached_tokens
         if out.finished:
             ch.finish_reason, ch.matched_stop = out.finish_reason, out.matched_stop
@@ -52,14 +58,15 @@ class ResponseBuilder:
     def usage(self) -> dict:
         prompt = sum(c.prompt_tokens for c in self.choices[:: self.n])
         completion = sum(len(c.token_ids) for c in self.choices)
+        cached = sum(c.cached_tokens for c in self.choices[:: self.n])  # prompt_tokens' prompts
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in self.choices)}}
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def chunk(self, choices: list[dict]) -> dict:
         body = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
                 "choices": choices}
-        if self.include_usage:
-            body["usage"] = None  # OpenAI's stream shape: every chunk has the key, the last one the numbers
+        if self.include_usage:  # OpenAI's shape: every chunk has the key, the last one the numbers
+            body["usage"] = self.usage() if self.continuous_usage else None  # vLLM's: those so far
         return body
 
     def final_chunks(self) -> list[dict]:
@@ -103,31 +110,65 @@ class ChatBuilder(ResponseBuilder):
 
 
 class CompletionBuilder(ResponseBuilder):
+    """echo: each choice starts with its prompt's text and, with logprobs, the prompt's logprobs
+    (the first one null). drop_output: max_tokens 0, the token the prefill sampled is left out."""
+
     id_prefix, chunk_object = "cmpl", "text_completion"
 
+    def __init__(self, *args, echo: bool = False, drop_output: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.echo, self.drop_output = echo, drop_output
+
+    def add(self, index: int, out: ReqOutput) -> Choice:
+        if self.drop_output:  # all it asked for was generated: "length", whatever token was drawn
+            out = replace(out, token_ids=[], text="", logprobs=None, matched_stop=None,
+                          finish_reason="length" if out.finished else None)
+        ch = self.choices[index]
+        before, prompt = len(ch.logprobs), []
+        if self.echo and out.prompt_text is not None:  # the choice's first output: prompt first
+            prompt = out.input_logprobs or []
+            out = replace(out, text=out.prompt_text + out.text,
+                          logprobs=prompt + (out.logprobs or []))
+        super().add(index, out)
+        self.add_offsets(ch, ch.logprobs[before : before + len(prompt)])
+        if self.echo and out.prompt_text is not None:
+            ch.text_offset = len(out.prompt_text)  # generated tokens start right after the prompt
+        self.add_offsets(ch, ch.logprobs[before + len(prompt) :])
+        return ch
+
+    @staticmethod
+    def add_offsets(ch: Choice, entries: list[TokenLogprob]) -> None:
+        for t in entries:
+            ch.offsets.append(ch.text_offset)
+            ch.text_offset += len(t.text)
+
     def stream_chunks(self, index: int, out: ReqOutput) -> list[dict]:
-        ch = self.add(index, out)
-        if not (out.text or out.finished or (self.want_logprobs and out.logprobs)):
+        ch = self.choices[index]
+        text_before, logprobs_before = len(ch.text), len(ch.logprobs)
+        self.add(index, out)
+        text, new = ch.text[text_before:], slice(logprobs_before, len(ch.logprobs))
+        if not (text or out.finished or (self.want_logprobs and ch.logprobs[new])):
             return []
-        return [self.chunk([{"index": index, "text": out.text, "logprobs": self.logprobs(ch, out.logprobs),
+        return [self.chunk([{"index": index, "text": text, "logprobs": self.logprobs(ch, new),
                              "finish_reason": ch.finish_reason if out.finished else None,
                              "matched_stop": ch.matched_stop if out.finished else None}])]
 
-    def logprobs(self, ch: Choice, logprobs: list[TokenLogprob] | None) -> dict | None:
-        """The legacy shape: parallel lists, top_logprobs as {token text: logprob}."""
+    def logprobs(self, ch: Choice, which: slice = slice(None)) -> dict | None:
+        """The legacy shape: parallel lists, top_logprobs as {token text: logprob} (null for the
+        prompt's first token, which nothing scores); text_offset: where each token's text starts in
+        the choice's text."""
         if not self.want_logprobs:
             return None
-        offsets = []
-        for t in logprobs or []:
-            offsets.append(ch.text_offset)
-            ch.text_offset += len(t.text)
-        return {"tokens": [t.text for t in logprobs or []], "token_logprobs": [t.logprob for t in logprobs or []],
-                "top_logprobs": [{s: lp for s, (_, lp) in zip(t.top_texts, t.top)} for t in logprobs or []],
-                "text_offset": offsets}
+        entries = ch.logprobs[which]
+        return {"tokens": [t.text for t in entries], "token_logprobs": [t.logprob for t in entries],
+                "top_logprobs": [None if t.logprob is None else
+                                 {s: lp for s, (_, lp) in zip(t.top_texts, t.top)}
+                                 for t in entries],
+                "text_offset": ch.offsets[which]}
 
     def response(self) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": i, "text": c.text, "logprobs": self.logprobs(c, c.logprobs),
+                "choices": [{"index": i, "text": c.text, "logprobs": self.logprobs(c),
                              "finish_reason": c.finish_reason, "matched_stop": c.matched_stop}
                             for i, c in enumerate(self.choices)],
                 "usage": self.usage()}
@@ -154,4 +195,9 @@ class GenerateBuilder(ResponseBuilder):
             meta["output_token_logprobs"] = [[t.logprob, t.token_id, t.text] for t in c.logprobs]
             meta["output_top_logprobs"] = [[[lp, tid, s] for s, (tid, lp) in zip(t.top_texts, t.top)]
                                            for t in c.logprobs]
+        if c.input_logprobs:  # logprob_start_len >= 0: the prompt's, from that token on
+            meta["input_token_logprobs"] = [[t.logprob, t.token_id, t.text]
+                                            for t in c.input_logprobs]
+            meta["input_top_logprobs"] = [[[lp, tid, s] for s, (tid, lp) in zip(t.top_texts, t.top)]
+                                          for t in c.input_logprobs]
         return {"text": c.text, "output_ids": c.token_ids, "meta_info": meta}

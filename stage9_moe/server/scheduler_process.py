@@ -40,6 +40,7 @@ class SchedulerLoop:
         self.later: list[TokenizedGenerateReqInput] = []  # copies of a prompt (n > 1), added one step late
         self.unannounced: set[int] = set()  # rids whose first output (with their stop strings) is not sent yet
         self.controls: list[ControlReq] = []  # answered after this turn's step has applied their operations
+        self.prompt_texts: dict[int, str] = {}  # echo requests' prompts, for their first output
         self.num_aborted = 0  # requests aborted while unfinished (clients that went away)
 
     def has_work(self) -> bool:
@@ -67,7 +68,7 @@ class SchedulerLoop:
                 self.to_detokenizer.send_pyobj(BatchTokenIDOut([self.to_message(o) for o in outputs]))
         controls, self.controls = self.controls, []
         for msg in controls:
-            self.to_api.send_pyobj(ControlOut(msg.req_id, self.control(msg.kind)))
+            self.to_api.send_pyobj(ControlOut(msg.req_id, self.control(msg.kind, msg.check_integrity)))
 
     def handle(self, msg) -> None:
         if isinstance(msg, BatchTokenizedGenerateReqInput):
@@ -85,13 +86,15 @@ class SchedulerLoop:
 
     def add(self, msg: TokenizedGenerateReqInput) -> None:
         req = Req(msg.rid, msg.input_ids, msg.sampling_params, return_logprob=msg.return_logprob,
-                  top_logprobs_num=msg.top_logprobs_num)
+                  top_logprobs_num=msg.top_logprobs_num, logprob_start_len=msg.logprob_start_len)
         try:
             self.llm.add_req(req)
         except ValueError as exc:  # the tokenizer worker checks the same things: this is the last line
             self.to_detokenizer.send_pyobj(BatchTokenIDOut([error_output(msg.rid, str(exc))]))
             return
         self.unannounced.add(req.rid)
+        if msg.prompt_text is not None:
+            self.prompt_texts[req.rid] = msg.prompt_text
 
     def abort(self, rid: int) -> None:
         """The client went away: finish the request now, so its pages go back to the pool (and its full pages to
@@ -102,6 +105,7 @@ class SchedulerLoop:
             self.llm.abort_request(rid)
         self.num_aborted += unfinished
         self.unannounced.discard(rid)
+        self.prompt_texts.pop(rid, None)
         self.to_detokenizer.send_pyobj(BatchTokenIDOut([ReqOutput(rid, finished=True, finish_reason="abort")]))
 
     def to_message(self, out: StepOutput) -> ReqOutput:
@@ -113,25 +117,35 @@ class SchedulerLoop:
             msg.stop_strings = req.sampling_params.stop_strings
         if out.logprob is not None:
             msg.logprobs = [TokenLogprob(out.new_token_ids[0], out.logprob, out.top_logprobs or [])]
+        if out.input_token_logprobs is not None:  # the prompt's, from logprob_start_len on
+            start, ids = req.logprob_start_len, req.input_ids
+            msg.input_logprobs = [TokenLogprob(ids[0], None, [])] if start == 0 else []
+            msg.input_logprobs += [TokenLogprob(ids[t], lp, top) for t, (lp, top) in
+                                   enumerate(out.input_token_logprobs, max(start, 1))]
+        msg.prompt_text = self.prompt_texts.pop(out.rid, None)
         if out.finished:
             self.unannounced.discard(out.rid)
         return msg
 
-    def control(self, kind: str) -> dict:
+    def control(self, kind: str, check_integrity: bool = False) -> dict:
         s = self.scheduler
         if kind not in ("status", "flush_cache"):  # a flush was applied by the step before this reply
             return {"error": f"unknown control request {kind!r}"}
-        try:
-            s.check_integrity()
-            integrity = "ok"
-        except AssertionError as exc:
-            integrity = f"FAILED: {exc}"
+        integrity = "not checked (GET /get_server_info?check=1 walks every page and the whole tree)"
+        if check_integrity:
+            try:
+                s.check_integrity()
+                integrity = "ok"
+            except AssertionError as exc:
+                integrity = f"FAILED: {exc}"
         cache = s.cache
         return {"num_running": len(s.decoder.running), "num_waiting": len(s.waiting),
                 "num_total_pages": cache.pool.num_pages, "num_free_pages": cache.num_free_pages,
                 "num_evictable_pages": cache.num_evictable_pages, "num_used_pages": cache.num_used_pages,
                 "page_size": cache.page_size, "tree_tokens": s.tree_tokens, "cache_hit_rate": s.cache_hit_rate,
                 "num_preemptions": s.total_preemptions, "num_aborted_requests": self.num_aborted,
+                "prompt_tokens_admitted": s.admitted_tokens,
+                "prompt_tokens_cached": s.cached_tokens,
                 "integrity": integrity, "pid": os.getpid()}
 
 
