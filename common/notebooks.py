@@ -60,6 +60,8 @@ def kernel_env() -> dict[str, str]:
     env["CUDA_VISIBLE_DEVICES"] = ""  # the notebooks show the CPU run, whatever the machine has
     env["TRITON_INTERPRET"] = "1"  # so that Triton kernels can run on the CPU (set before triton is imported)
     env["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # transformers' bars are widgets: a code host cannot draw them
+    # Without ipywidgets, importing tqdm.auto in a kernel warns that it cannot draw widgets; we draw none.
+    env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"), "ignore:IProgress not found"]))
     return env
 
 
