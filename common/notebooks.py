@@ -9,13 +9,14 @@ they show, so executing one also tests it; tests/test_notebooks.py runs `check` 
 copy of each in memory. Re-run `execute` after changing a notebook's code or the engine code it shows, and commit
 the result: that is the one command that writes the notebooks.
 
-A stage README quotes a figure from its notebook as one whole line that a code cell printed, in backticks,
-followed by the cell's number (its `In [N]`):
+A stage README quotes a figure from its notebook as one whole line that a code cell printed,
+in backticks, followed by the cell's number (its `In [N]`):
 
     `fitted slopes, 32-128 tokens: no cache 1.34, KV cache 1.01` <!-- notebook cell 8 -->
 
-`check` fails when the quote is not a line of that cell's output; `execute` rewrites each quote with the line the
-new run printed under the same label (the text before the first ": "), so the README cannot drift from the run.
+`check` fails when the quote is not a line of that cell's output; `execute` rewrites each quote
+with the line the new run printed under the same label (the text before the first ": "), so the
+README cannot drift from the run.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ MAX_NOTEBOOK_BYTES = 1_500_000
 METADATA_KEY = "sglang_from_zero"  # notebook metadata written by `execute`: {"code_sha256": ...}
 KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": KERNEL}
 README = "README.md"
-QUOTE = re.compile(r"`([^`\n]+)`\s*<!-- notebook cell (\d+) -->")  # a figure quoted from cell In [N]
+QUOTE = re.compile(r"`([^`\n]+)`\s*<!-- notebook cell (\d+) -->")  # quoted from cell In [N]
 
 
 def notebook_path(stage: Stage) -> Path:
@@ -60,8 +61,9 @@ def kernel_env() -> dict[str, str]:
     env["CUDA_VISIBLE_DEVICES"] = ""  # the notebooks show the CPU run, whatever the machine has
     env["TRITON_INTERPRET"] = "1"  # so that Triton kernels can run on the CPU (set before triton is imported)
     env["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # transformers' bars are widgets: a code host cannot draw them
-    # Without ipywidgets, importing tqdm.auto in a kernel warns that it cannot draw widgets; we draw none.
-    env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"), "ignore:IProgress not found"]))
+    # Without ipywidgets, tqdm.auto warns in a kernel that it cannot draw widgets: we draw none.
+    quiet = "ignore:IProgress not found"
+    env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"), quiet]))
     return env
 
 
@@ -184,42 +186,46 @@ def assert_count(nb) -> int:
     return count
 
 
-# ---------------------------------------------------------------- README figures quoted from the notebook
+# ------------------------------------------------------ README figures quoted from the notebook
 
 
 def printed_lines(nb, count: int) -> list[str] | None:
     """The stdout lines of the code cell that ran as In [count]; None if no cell did."""
     for cell in nb.cells:
         if cell.cell_type == "code" and cell.execution_count == count:
-            text = "".join(o.text for o in cell.outputs if o.output_type == "stream" and o.name == "stdout")
+            text = "".join(o.text for o in cell.outputs
+                           if o.output_type == "stream" and o.name == "stdout")
             return [line.rstrip() for line in text.splitlines()]
     return None
 
 
 def label(line: str) -> str:
-    """What a figure line is about: the text before its first ": " (the whole line if it has none)."""
+    """What a figure line is about: the text before its first ": " (or the whole line)."""
     return line.split(": ", 1)[0]
 
 
 def quote_problems(readme: str, nb, name: str = README) -> list[str]:
-    """Each figure the README quotes from the notebook that is not a line its cell printed, and why."""
+    """Each figure the README quotes from the notebook that is not a line its cell printed."""
     problems = []
     for n, line in enumerate(readme.splitlines(), start=1):
         for m in QUOTE.finditer(line):
             quote, count = m.group(1), int(m.group(2))
             lines = printed_lines(nb, count)
             if lines is None:
-                problems.append(f"{name}:{n} quotes notebook cell {count}, which the notebook does not have")
+                problems.append(f"{name}:{n} quotes notebook cell {count}, which the notebook "
+                                "does not have")
             elif quote not in lines:
                 same = [x for x in lines if label(x) == label(quote)]
-                shows = f"it printed {same[0]!r}" if same else f"no line of it starts {label(quote)!r}"
-                problems.append(f"{name}:{n} quotes {quote!r} from notebook cell {count}, but {shows}")
+                shows = (f"it printed {same[0]!r}" if same
+                         else f"no line of it starts {label(quote)!r}")
+                problems.append(f"{name}:{n} quotes {quote!r} from notebook cell {count}, "
+                                f"but {shows}")
     return problems
 
 
 def sync_quotes(readme: str, nb) -> tuple[str, int]:
-    """The README with each quoted figure replaced by the line its cell printed under the same label (where
-    exactly one such line exists), and how many quotes changed."""
+    """The README with each quoted figure replaced by the line its cell printed under the same
+    label (where exactly one such line exists), and how many quotes changed."""
     changed = 0
 
     def replace(m: re.Match) -> str:
@@ -282,7 +288,8 @@ def cmd_execute(root: Path, args: argparse.Namespace) -> int:
             synced, changed = sync_quotes(readme.read_text(encoding="utf-8"), nb)
             if changed:
                 readme.write_text(synced, encoding="utf-8")
-                print(f"  {c.stage.name}/{README}: {changed} figure(s) quoted from the notebook updated to this run")
+                print(f"  {c.stage.name}/{README}: {changed} figure(s) quoted from the notebook "
+                      "updated to this run")
     if failed:
         print(f"execute: FAILED {', '.join(failed)}")
     return 1 if failed else 0
@@ -297,7 +304,8 @@ def cmd_check(root: Path, args: argparse.Namespace) -> int:
         problems = notebook_problems(nb, c.stage)
         readme = c.stage.path / README
         if readme.is_file():
-            problems += quote_problems(readme.read_text(encoding="utf-8"), nb, f"{c.stage.name}/{README}")
+            text = readme.read_text(encoding="utf-8")
+            problems += quote_problems(text, nb, f"{c.stage.name}/{README}")
         if problems:
             failed.append(c.name)
             print(f"FAILED {c.name}: " + "\n  ".join(problems))
@@ -325,8 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_execute)
     p = sub.add_parser("check", help="check that notebooks are saved executed",
                        description="Every code cell ran, in order, in one run of `execute` on the code as saved; no "
-                       "error output; outputs and file within the size limits; every figure the stage README quotes "
-                       "from the notebook is a line its cell printed. Exit 1 on failure.")
+                       "error output; outputs and file within the size limits; every figure the "
+                       "stage README quotes from the notebook is a line its cell printed. Exit 1 "
+                       "on failure.")
     p.add_argument("stages", nargs="*", metavar="STAGE", help=stage_help)
     p.set_defaults(func=cmd_check)
     return parser

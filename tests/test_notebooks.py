@@ -12,7 +12,8 @@ import nbformat
 import pytest
 
 from common import notebooks
-from common.notebooks import assert_count, execute_notebook, notebook_problems, quote_problems, sync_quotes
+from common.notebooks import (assert_count, execute_notebook, notebook_problems, quote_problems,
+                              sync_quotes)
 from common.stages import find_stages, new_stage
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +57,8 @@ def test_notebook_executes(stage):
 def test_readme_figures_are_lines_their_notebook_cell_printed(stage):
     readme = (stage.path / "README.md").read_text(encoding="utf-8")
     problems = quote_problems(readme, read(stage), f"{stage.name}/README.md")
-    assert not problems, "; ".join(problems) + f" (`python -m common.notebooks execute {stage.number}` rewrites them)"
+    rewrite = f" (`python -m common.notebooks execute {stage.number}` rewrites them)"
+    assert not problems, "; ".join(problems) + rewrite
 
 
 # ---------------------------------------------------------------- the checker itself can fail
@@ -135,14 +137,16 @@ def test_execute_keeps_plots_under_mplbackend_agg_and_drops_machine_metadata(tmp
 
 def test_a_quoted_figure_must_be_a_line_its_cell_printed_and_execute_rewrites_it():
     nb = executed_by_hand()  # cell In [2] printed "42"
-    nb.cells[2].outputs = [nbformat.v4.new_output("stream", name="stdout", text="answer: 42\nunits: none\n")]
+    printed = nbformat.v4.new_output("stream", name="stdout", text="answer: 42\nunits: none\n")
+    nb.cells[2].outputs = [printed]
     good = "| the answer | `answer: 42` <!-- notebook cell 2 --> |\n"
     assert quote_problems(good, nb) == []
     stale = good.replace("42", "41")
     (problem,) = quote_problems(stale, nb)
-    assert "README.md:1" in problem and "'answer: 41'" in problem and "it printed 'answer: 42'" in problem
+    assert "README.md:1" in problem and "'answer: 41'" in problem
+    assert "it printed 'answer: 42'" in problem
     assert sync_quotes(stale, nb) == (good, 1) and sync_quotes(good, nb) == (good, 0)
     unknown = "`result: 41` <!-- notebook cell 2 -->"
     assert "no line of it starts 'result'" in quote_problems(unknown, nb)[0]
-    assert sync_quotes(unknown, nb) == (unknown, 0)  # no line to take it from: left for the check to report
+    assert sync_quotes(unknown, nb) == (unknown, 0)  # no line to take it from: the check reports it
     assert "does not have" in quote_problems("`answer: 42` <!-- notebook cell 9 -->", nb)[0]

@@ -409,12 +409,13 @@ def test_qwen3_8b_shaped_random_checkpoint_loads_in_bf16_and_generates(tmp_path)
     assert all(len(r.output_ids) == 8 and all(0 <= t < V for t in r.output_ids) for r in reqs)
 
 
-@pytest.mark.parametrize("stage", ["stage3_weights", "stage4_scheduler", "stage5_cudagraph", "stage6_radix",
-                                   "stage7_tp", "stage8_server", "stage9_moe"])
+@pytest.mark.parametrize("stage", ["stage3_weights", "stage4_scheduler", "stage5_cudagraph",
+                                   "stage6_radix", "stage7_tp", "stage8_server", "stage9_moe"])
 def test_layers_import_nothing_from_models(stage):
-    """layers.py holds the building blocks the models are made of (RopeScaling included): an import from models/
-    would point upwards and work only by the order in which the package happens to import its modules."""
+    """layers.py holds the building blocks the models are made of (RopeScaling included): an
+    import from models/ would point upwards, working only by the order the package imports in."""
     tree = ast.parse((Path(__file__).resolve().parent.parent / stage / "layers.py").read_text())
-    upward = [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1
+    upward = [node.module for node in ast.walk(tree)
+              if isinstance(node, ast.ImportFrom) and node.level == 1
               and (node.module or "").split(".")[0] == "models"]
     assert not upward, f"{stage}/layers.py imports from .{upward[0]}"
