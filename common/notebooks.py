@@ -8,6 +8,15 @@ STAGE is a number (2) or a folder name (stage2_batch); default: every stage. A n
 they show, so executing one also tests it; tests/test_notebooks.py runs `check` on the saved files and executes a
 copy of each in memory. Re-run `execute` after changing a notebook's code or the engine code it shows, and commit
 the result: that is the one command that writes the notebooks.
+
+A stage README quotes a figure from its notebook as one whole line that a code cell printed,
+in backticks, followed by the cell's number (its `In [N]`):
+
+    `fitted slopes, 32-128 tokens: no cache 1.34, KV cache 1.01` <!-- notebook cell 8 -->
+
+`check` fails when the quote is not a line of that cell's output; `execute` rewrites each quote
+with the line the new run printed under the same label (the text before the first ": "), so the
+README cannot drift from the run.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import argparse
 import ast
 import hashlib
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -31,6 +41,8 @@ MAX_OUTPUT_IMAGE = 500_000  # base64 characters of one image
 MAX_NOTEBOOK_BYTES = 1_500_000
 METADATA_KEY = "sglang_from_zero"  # notebook metadata written by `execute`: {"code_sha256": ...}
 KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": KERNEL}
+README = "README.md"
+QUOTE = re.compile(r"`([^`\n]+)`\s*<!-- notebook cell (\d+) -->")  # quoted from cell In [N]
 
 
 def notebook_path(stage: Stage) -> Path:
@@ -49,6 +61,9 @@ def kernel_env() -> dict[str, str]:
     env["CUDA_VISIBLE_DEVICES"] = ""  # the notebooks show the CPU run, whatever the machine has
     env["TRITON_INTERPRET"] = "1"  # so that Triton kernels can run on the CPU (set before triton is imported)
     env["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # transformers' bars are widgets: a code host cannot draw them
+    # Without ipywidgets, tqdm.auto warns in a kernel that it cannot draw widgets: we draw none.
+    quiet = "ignore:IProgress not found"
+    env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"), quiet]))
     return env
 
 
@@ -171,6 +186,60 @@ def assert_count(nb) -> int:
     return count
 
 
+# ------------------------------------------------------ README figures quoted from the notebook
+
+
+def printed_lines(nb, count: int) -> list[str] | None:
+    """The stdout lines of the code cell that ran as In [count]; None if no cell did."""
+    for cell in nb.cells:
+        if cell.cell_type == "code" and cell.execution_count == count:
+            text = "".join(o.text for o in cell.outputs
+                           if o.output_type == "stream" and o.name == "stdout")
+            return [line.rstrip() for line in text.splitlines()]
+    return None
+
+
+def label(line: str) -> str:
+    """What a figure line is about: the text before its first ": " (or the whole line)."""
+    return line.split(": ", 1)[0]
+
+
+def quote_problems(readme: str, nb, name: str = README) -> list[str]:
+    """Each figure the README quotes from the notebook that is not a line its cell printed."""
+    problems = []
+    for n, line in enumerate(readme.splitlines(), start=1):
+        for m in QUOTE.finditer(line):
+            quote, count = m.group(1), int(m.group(2))
+            lines = printed_lines(nb, count)
+            if lines is None:
+                problems.append(f"{name}:{n} quotes notebook cell {count}, which the notebook "
+                                "does not have")
+            elif quote not in lines:
+                same = [x for x in lines if label(x) == label(quote)]
+                shows = (f"it printed {same[0]!r}" if same
+                         else f"no line of it starts {label(quote)!r}")
+                problems.append(f"{name}:{n} quotes {quote!r} from notebook cell {count}, "
+                                f"but {shows}")
+    return problems
+
+
+def sync_quotes(readme: str, nb) -> tuple[str, int]:
+    """The README with each quoted figure replaced by the line its cell printed under the same
+    label (where exactly one such line exists), and how many quotes changed."""
+    changed = 0
+
+    def replace(m: re.Match) -> str:
+        nonlocal changed
+        quote, lines = m.group(1), printed_lines(nb, int(m.group(2))) or []
+        same = [x for x in lines if label(x) == label(quote)]
+        if quote in lines or len(same) != 1:
+            return m.group(0)  # current, or not decidable: `check` reports what is wrong
+        changed += 1
+        return m.group(0).replace(f"`{quote}`", f"`{same[0]}`", 1)
+
+    return QUOTE.sub(replace, readme), changed
+
+
 @dataclass
 class Chosen:
     stage: Stage
@@ -214,6 +283,13 @@ def cmd_execute(root: Path, args: argparse.Namespace) -> int:
         c.path.write_text(text, encoding="utf-8")
         cells = sum(cell.cell_type == "code" for cell in nb.cells)
         print(f"executed {c.name} in {seconds:.1f} s: {cells} code cells, {len(text.encode()) / 1e3:.0f} kB saved")
+        readme = c.stage.path / README
+        if readme.is_file():
+            synced, changed = sync_quotes(readme.read_text(encoding="utf-8"), nb)
+            if changed:
+                readme.write_text(synced, encoding="utf-8")
+                print(f"  {c.stage.name}/{README}: {changed} figure(s) quoted from the notebook "
+                      "updated to this run")
     if failed:
         print(f"execute: FAILED {', '.join(failed)}")
     return 1 if failed else 0
@@ -226,6 +302,10 @@ def cmd_check(root: Path, args: argparse.Namespace) -> int:
     for c in choose(root, args.stages):
         nb = nbformat.read(c.path, as_version=4)
         problems = notebook_problems(nb, c.stage)
+        readme = c.stage.path / README
+        if readme.is_file():
+            text = readme.read_text(encoding="utf-8")
+            problems += quote_problems(text, nb, f"{c.stage.name}/{README}")
         if problems:
             failed.append(c.name)
             print(f"FAILED {c.name}: " + "\n  ".join(problems))
@@ -253,7 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_execute)
     p = sub.add_parser("check", help="check that notebooks are saved executed",
                        description="Every code cell ran, in order, in one run of `execute` on the code as saved; no "
-                       "error output; outputs and file within the size limits. Exit 1 on failure.")
+                       "error output; outputs and file within the size limits; every figure the "
+                       "stage README quotes from the notebook is a line its cell printed. Exit 1 "
+                       "on failure.")
     p.add_argument("stages", nargs="*", metavar="STAGE", help=stage_help)
     p.set_defaults(func=cmd_check)
     return parser

@@ -34,6 +34,7 @@ the same torch code as before on a CPU). The experts' layer, FusedMoE, is in moe
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,6 @@ from torch import nn
 
 from . import kernels
 from .distributed import SINGLE, TPInfo
-from .models.config import RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -59,6 +59,17 @@ class RMSNorm(nn.Module):
         if residual is None:
             return kernels.rmsnorm(x, self.weight, self.eps)
         return kernels.fused_add_rmsnorm(x, residual, self.weight, self.eps)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE frequencies are stretched for long context. rope_type "default" means no stretching."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only: the context the model was pre-trained on
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:

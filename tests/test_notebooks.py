@@ -12,7 +12,8 @@ import nbformat
 import pytest
 
 from common import notebooks
-from common.notebooks import assert_count, execute_notebook, notebook_problems
+from common.notebooks import (assert_count, execute_notebook, notebook_problems, quote_problems,
+                              sync_quotes)
 from common.stages import find_stages, new_stage
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,6 +51,14 @@ def test_notebook_executes(stage):
     assert path.read_bytes() == before, "executing in a test must not write the notebook"
     problems = notebook_problems(nb, stage)
     assert not problems, "; ".join(problems)
+
+
+@pytest.mark.parametrize("stage", STAGES, ids=IDS)
+def test_readme_figures_are_lines_their_notebook_cell_printed(stage):
+    readme = (stage.path / "README.md").read_text(encoding="utf-8")
+    problems = quote_problems(readme, read(stage), f"{stage.name}/README.md")
+    rewrite = f" (`python -m common.notebooks execute {stage.number}` rewrites them)"
+    assert not problems, "; ".join(problems) + rewrite
 
 
 # ---------------------------------------------------------------- the checker itself can fail
@@ -124,3 +133,20 @@ def test_execute_keeps_plots_under_mplbackend_agg_and_drops_machine_metadata(tmp
     assert "execution" not in out.cells[0].metadata  # no per-cell timing
     assert "version" not in out.metadata["language_info"]
     assert out.metadata["kernelspec"] == notebooks.KERNELSPEC
+
+
+def test_a_quoted_figure_must_be_a_line_its_cell_printed_and_execute_rewrites_it():
+    nb = executed_by_hand()  # cell In [2] printed "42"
+    printed = nbformat.v4.new_output("stream", name="stdout", text="answer: 42\nunits: none\n")
+    nb.cells[2].outputs = [printed]
+    good = "| the answer | `answer: 42` <!-- notebook cell 2 --> |\n"
+    assert quote_problems(good, nb) == []
+    stale = good.replace("42", "41")
+    (problem,) = quote_problems(stale, nb)
+    assert "README.md:1" in problem and "'answer: 41'" in problem
+    assert "it printed 'answer: 42'" in problem
+    assert sync_quotes(stale, nb) == (good, 1) and sync_quotes(good, nb) == (good, 0)
+    unknown = "`result: 41` <!-- notebook cell 2 -->"
+    assert "no line of it starts 'result'" in quote_problems(unknown, nb)[0]
+    assert sync_quotes(unknown, nb) == (unknown, 0)  # no line to take it from: the check reports it
+    assert "does not have" in quote_problems("`answer: 42` <!-- notebook cell 9 -->", nb)[0]

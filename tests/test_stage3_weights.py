@@ -3,11 +3,13 @@ errors on bad checkpoints, bfloat16 loading, the tokenizer config, the memory re
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -405,3 +407,15 @@ def test_qwen3_8b_shaped_random_checkpoint_loads_in_bf16_and_generates(tmp_path)
           f"({report.param_bytes / 1e9 / seconds:.1f} GB/s), peak GPU memory "
           f"{torch.cuda.max_memory_allocated() / 1e9:.1f} GB, tokens {[r.output_ids for r in reqs]}")
     assert all(len(r.output_ids) == 8 and all(0 <= t < V for t in r.output_ids) for r in reqs)
+
+
+@pytest.mark.parametrize("stage", ["stage3_weights", "stage4_scheduler", "stage5_cudagraph",
+                                   "stage6_radix", "stage7_tp", "stage8_server", "stage9_moe"])
+def test_layers_import_nothing_from_models(stage):
+    """layers.py holds the building blocks the models are made of (RopeScaling included): an
+    import from models/ would point upwards, working only by the order the package imports in."""
+    tree = ast.parse((Path(__file__).resolve().parent.parent / stage / "layers.py").read_text())
+    upward = [node.module for node in ast.walk(tree)
+              if isinstance(node, ast.ImportFrom) and node.level == 1
+              and (node.module or "").split(".")[0] == "models"]
+    assert not upward, f"{stage}/layers.py imports from .{upward[0]}"

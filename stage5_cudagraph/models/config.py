@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..layers import RopeScaling
+
 
 class UnsupportedModelError(ValueError):
     """The checkpoint needs a feature this stage does not implement (yet)."""
@@ -26,17 +28,6 @@ class UnsupportedModelError(ValueError):
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _ROPE_KEYS = {"default": (), "linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """How RoPE frequencies are stretched for long context. rope_type "default" means no stretching."""
-
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0  # llama3 only
-    high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only: the context the model was pre-trained on
 
 
 @dataclass(frozen=True)
