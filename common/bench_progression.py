@@ -33,7 +33,7 @@ def stage_llm(stage, name: str, path: str, num_requests: int):
 def bench_progression(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.bench import fitting_tokens, header, hf_cb_config, mixed_workload, run_hf, run_hf_cb, \
+    from common.bench_utils import fitting_tokens, header, hf_cb_config, mixed_workload, run_hf, run_hf_cb, \
         run_stage, warm_up
     from common.golden import discover_stages
     from common.models import resolve_model
