@@ -24,12 +24,13 @@ GOLDEN_MODELS = ["smollm2-135m-instruct", "tiny-llama", "tiny-llama3", "tiny-qwe
                  "tiny-qwen3-moe", "tiny-mixtral"]
 # float32 logits of these models are O(10); two correct implementations differ by ~1e-5 there.
 TIE_MARGIN = 1e-3
-# bfloat16 keeps 8 bits of mantissa: a logit near 16 is rounded to a multiple of 0.125, and every layer's activations
-# are rounded like that, so two correct bfloat16 implementations (other kernels, other summation orders) differ by
-# a few of those steps at the LM head. A bfloat16 golden file accepts a first divergence only where the reference's
-# own top-2 margin is below 4 such steps of the largest logits (0.5); `common.golden bf16-spread` measures the
-# spread between two bfloat16 runs of transformers itself, which this bound must cover.
-BF16_TIE_MARGIN = 0.5
+# bfloat16 keeps 8 bits of mantissa: a logit in [16, 32) is a multiple of 0.125, and every layer's activations are
+# rounded like that, so two correct bfloat16 implementations (other kernels, other summation orders) disagree on a
+# top-2 margin by several such steps. Measured (`python -m common.golden bf16-spread`, teacher-forced along the
+# bfloat16 reference): transformers' own sdpa and eager attention, both bfloat16, move a margin by up to 0.625 on
+# SmolLM2's golden prompts. A bfloat16 golden file accepts a first divergence only where the reference's margin is
+# below that.
+BF16_TIE_MARGIN = 0.625
 GOLDEN_DTYPES = {"float32": TIE_MARGIN, "bfloat16": BF16_TIE_MARGIN}
 
 _LONG_TEXT = (
