@@ -3,6 +3,9 @@
     python -m common.bench batch  [--model M] [--num-requests 16] [--max-new-tokens 32]    stage 2 vs stage 1 vs HF
     python -m common.bench offline [--model M] [--num-requests 64] [--max-new-tokens 128] [--max-total-tokens N]
                                                             stage 4 vs stage 2 vs HF generate vs HF generate_batch
+    python -m common.bench offline --peers vllm llama.cpp [--stages ...] [--dtypes float32 bfloat16]
+                                       the course vs vLLM-CPU and llama.cpp: offline, batch-1 decode, bandwidth limit
+    python -m common.bench profile [--stage S] [--dtype D] [--workload offline|batch1]  where a step's time goes
     python -m common.bench load   [--model M] [--repeats 3]               stage 3 loader vs HF from_pretrained
     python -m common.bench overlap [--model M] [--num-requests 32] [--max-new-tokens 64]  stage 5 overlap on vs off
     python -m common.bench radix  [--model M] [--workloads shared multiturn random]  stage 6 prefix cache (bench_radix.py)
@@ -129,6 +132,10 @@ def bench_load(args) -> None:
 
 def bench_offline(args) -> None:
     """SGLang's bench_offline_throughput shape: all requests submitted at once, mixed input and output lengths."""
+    if args.peers is not None:
+        from common.bench_peers import bench_peers
+
+        return bench_peers(args)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from common.models import resolve_model
@@ -235,19 +242,29 @@ def main(argv: list[str] | None = None) -> None:
     offline.add_argument("--max-total-tokens", type=int, default=None,
                          help="KV pool of stage 4 and HF generate_batch in tokens (default: stage 4 sizes it from "
                               "memory, as its command line does)")
+    offline.add_argument("--peers", nargs="*", choices=["vllm", "llama.cpp"], default=None,
+                         help="instead: the course's engines (--stages) in --dtypes against these CPU peers, each in "
+                              "its own environment (common/bench_peers.py), offline and batch-1 decode")
+    offline.add_argument("--stages", nargs="+", default=["stage4_scheduler", "stage5_cudagraph"],
+                         help="with --peers: the course's engines (stage 5 on: with enable_torch_compile)")
+    offline.add_argument("--no-compile", action="store_true", help="with --peers: stage 5 on eagerly")
+    offline.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    offline.add_argument("--repeats", type=int, default=2, help="with --peers: best of this many runs each")
+    offline.add_argument("--batch1-tokens", type=int, default=128, help="with --peers: tokens of batch-1 decode")
     overlap = sub.add_parser("overlap", help="stage 5 overlap scheduling on vs off (CPU)")
     overlap.add_argument("--model", default="smollm2-135m-instruct")
     overlap.add_argument("--num-requests", type=int, default=32)
     overlap.add_argument("--max-new-tokens", type=int, default=64)
     overlap.add_argument("--repeats", type=int, default=3)
     # later stages' benchmarks live in their own modules
-    from common import bench_moe, bench_progression, bench_radix, bench_serving, bench_tp
+    from common import bench_moe, bench_profile, bench_progression, bench_radix, bench_serving, bench_tp
 
     bench_radix.add_parser(sub)
     bench_tp.add_parser(sub)
     bench_serving.add_parser(sub)
     bench_moe.add_parser(sub)
     bench_progression.add_parser(sub)
+    bench_profile.add_parser(sub)
     for command, func in ((batch, bench_batch), (load, bench_load), (offline, bench_offline), (overlap, bench_overlap)):
         command.set_defaults(func=func)
     args = parser.parse_args(argv)
