@@ -109,8 +109,23 @@ ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if torch.backends.mkldnn.is_avai
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) for x [N, in], W [out, in]: F.linear, with the products of several rows on oneDNN on a CPU."""
     if x.device.type == "cpu" and x.dtype in ONEDNN_DTYPES and x.dim() == 2 and x.shape[0] > 1:
+        if torch.compiler.is_compiling():  # graph.py's compiled decode: an operator inductor calls as it is
+            return onednn_linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # [N, out]
     return F.linear(x, weight, bias)  # [N, out]
+
+
+# Inductor rewrites oneDNN's linear only for weights it has frozen into constants; ours are the model's parameters,
+# inputs of the compiled graph, so under torch.compile the call goes through an operator of our own, which inductor
+# leaves alone.
+@torch.library.custom_op(f"{__name__.split('.')[0]}::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # [N, out]
+
+
+@onednn_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def copy_into(dst: torch.Tensor, loaded: torch.Tensor) -> None:

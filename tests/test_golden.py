@@ -94,3 +94,19 @@ def test_golden_bfloat16_smollm2(stage_name: str):
     assert not problems, f"{stage_name} in bfloat16:\n" + "\n".join(problems)
     identical = sum(list(r.token_ids) == c["output_ids"] for r, c in zip(results, cases))
     assert identical >= 1, "not one prompt identical to the reference: a real bfloat16 bug, not rounding"
+
+
+def test_golden_smollm2_with_compiled_decode():
+    """Stage 5's CPU stand-in for CUDA graphs (torch.compile of the decode forward, bucket 1): SmolLM2's golden
+    prompts one at a time, so that every decode step runs compiled code, give the float32 reference's tokens."""
+    import stage5_cudagraph
+
+    golden = load_golden("smollm2-135m-instruct")
+    llm = stage5_cudagraph.LLM(str(resolve_model("smollm2-135m-instruct")), dtype="float32", verbose=False,
+                               enable_torch_compile=True, torch_compile_max_bs=1, max_running_requests=1)
+    params = stage5_cudagraph.SamplingParams(max_new_tokens=golden["max_new_tokens"], temperature=0.0)
+    results = [llm.generate([case["prompt"]], params)[0] for case in golden["cases"]]
+    problems = failures(results, golden)
+    assert not problems, "compiled decode on smollm2:\n" + "\n".join(problems)
+    decode_steps = sum(len(r.token_ids) - 1 for r in results)
+    assert llm.engine.num_graph_replays == decode_steps and llm.engine.num_eager_forwards == len(results)
