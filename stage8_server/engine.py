@@ -218,6 +218,8 @@ class Engine:
         if enable_torch_compile and self.device.type != "cpu":
             raise ValueError("enable_torch_compile is the CPU's stand-in for CUDA graphs; on CUDA the graphs run")
         use_compile = enable_torch_compile and not use_graphs
+        if use_compile and tp.size > 1:  # its all-reduces would have to be traced into the compiled graph too
+            raise ValueError("enable_torch_compile runs with tp_size 1 only")
         num_pages = self.kv_plan.num_pages
         self.kv_pool = PagedKVPool(cfg.num_layers, num_pages + int(use_graphs or use_compile), page_size,
                                    self.num_kv_heads, cfg.head_dim, dtype, self.device)
