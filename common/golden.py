@@ -8,7 +8,8 @@ reference's margin there is below TIE_MARGIN, a genuine tie that float32 roundin
 order may flip; after an accepted tie the two continuations are different texts and are not compared further.
 
     python -m common.golden regenerate [MODEL ...]     rebuild the files from transformers
-    python -m common.golden regenerate --dtype bfloat16 smollm2-135m-instruct   the bfloat16 reference (<model>-bfloat16)
+    python -m common.golden regenerate --dtype bfloat16 smollm2-135m-instruct   the bfloat16 reference
+    python -m common.golden bf16-spread                two bfloat16 runs of transformers: how far their margins differ
     python -m common.golden show MODEL                 print prompts, outputs and the smallest margins
 """
 

@@ -95,7 +95,8 @@ def test_profile_splits_a_step_on_a_tiny_model(capsys):
 
     main(["profile", "--model", "tiny-llama", "--num-requests", "4", "--max-new-tokens", "4"])
     out = capsys.readouterr().out
-    for part in ("prepare", "forward", "sample", "scheduler", "matmul", "attention", "KV copies", "Python and dispatch"):
+    parts = ("prepare", "forward", "sample", "scheduler", "matmul", "attention", "KV copies", "Python and dispatch")
+    for part in parts:
         assert part in out, out
     shares = [float(m) for m in re.findall(r"ms/step\s+(-?[\d.]+)%", out)]
     assert len(shares) == 11 and all(-1 <= s <= 100 for s in shares), out
