@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from common.bench_utils import copy_bandwidth, sync
+
 
 @dataclass
 class ModelShape:
@@ -79,24 +81,6 @@ def decode_bytes(shape: ModelShape, batch_size: int, context_len: int, dtype_byt
 
 def floor_seconds(bytes_read: int, bandwidth_bytes_per_s: float) -> float:
     return bytes_read / bandwidth_bytes_per_s
-
-
-def sync(device: str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def copy_bandwidth(device: str, gib: float = 2.0, repeats: int = 20) -> float:
-    """Bytes/s of a device-to-device copy (each byte read once and written once, so 2 x size per copy)."""
-    src = torch.empty(int(gib * (1 << 30)), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        dst.copy_(src)
-    sync(device)
-    return 2 * src.numel() * repeats / (time.perf_counter() - start)
 
 
 def build_checkpoint(shape: ModelShape, folder: Path, device: str) -> None:

@@ -203,7 +203,7 @@ def bench_models(pair: ModelPair, device: str, dtype: str, num_requests: int, ma
     from transformers import AutoTokenizer
 
     import stage9_moe
-    from common.bench import mixed_workload, run_stage, warm_up
+    from common.bench_utils import mixed_workload, run_stage, warm_up
 
     rows = []
     with tempfile.TemporaryDirectory(dir=tmp) as root:
@@ -253,7 +253,7 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> dict:
-    from common.bench import header
+    from common.bench_utils import header
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

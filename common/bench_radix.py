@@ -102,7 +102,7 @@ def engine_generate(llm, stage):
 
 
 def hf_generate(model, pad_id: int, batch_size: int):
-    from common.bench import Workload, run_hf
+    from common.bench_utils import Workload, run_hf
 
     def generate(prompts, max_new):
         _, outs = run_hf(model, Workload(prompts, [max_new] * len(prompts)), batch_size, pad_id)
@@ -138,7 +138,7 @@ def run_bench_radix(args, path: Path, label: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import stage6_radix
-    from common.bench import header
+    from common.bench_utils import header
 
     tok = AutoTokenizer.from_pretrained(str(path))
     header(f"prefix cache: {label}, {args.device} {args.dtype}, stage 6 with the radix cache on / off vs HF generate, "

@@ -45,7 +45,7 @@ def run_tp(stage, path: str, tp: int, args):
 
 def bench_tp(args) -> None:
     import stage7_tp
-    from common.bench import header
+    from common.bench_utils import header
     from common.models import resolve_model
 
     if args.plan:

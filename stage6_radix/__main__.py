@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache (stage 5's engine)")
     parser.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"],
                         help="waiting-queue order within a priority: longest cached prefix first, or arrival order")
+    parser.add_argument("--enable-torch-compile", action="store_true",
+                        help="CPU: decode batches of up to --torch-compile-max-bs run torch.compile'd code, one graph "
+                             "per bucket (compiling takes a while at start-up)")
+    parser.add_argument("--torch-compile-max-bs", type=int, default=8, help="largest batch compiled")
     parser.add_argument("--disable-overlap", action="store_const", const=True, default=None,
                         help="process each step's results before launching the next (stage 4's loop; the CPU default)")
     parser.add_argument("--enable-overlap", action="store_const", const=False, dest="disable_overlap",
@@ -81,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
                   log_interval=args.log_interval, disable_cuda_graph=args.disable_cuda_graph,
                   cuda_graph_max_bs=args.cuda_graph_max_bs, disable_overlap=args.disable_overlap,
                   disable_radix_cache=args.disable_radix_cache, schedule_policy=args.schedule_policy,
+                  enable_torch_compile=args.enable_torch_compile, torch_compile_max_bs=args.torch_compile_max_bs,
                   progress=args.progress, verbose=not args.quiet)
         if args.memory_report:
             print_memory_report(llm)

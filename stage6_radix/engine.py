@@ -24,7 +24,7 @@ import torch
 
 from .attention import ForwardBatch, create_backend
 from .core import Batch
-from .graph import GraphRunner, can_capture
+from .graph import CompiledRunner, GraphRunner, can_capture
 from .kv_cache import PageTable, PagedKVPool
 from .models import ModelConfig, build_model
 from .tokenizer import read_eos_token_ids
@@ -157,12 +157,14 @@ class Engine:
                  attention_backend: str | None = None, page_size: int = 16, max_running_requests: int = 128,
                  max_total_tokens: int | None = None, mem_fraction_static: float | None = None,
                  eos_token_ids: set[int] | None = None, progress: bool | None = None, verbose: bool = True,
-                 cuda_graph: bool = True, cuda_graph_max_bs: int = 64):
+                 cuda_graph: bool = True, cuda_graph_max_bs: int = 64, enable_torch_compile: bool = False,
+                 torch_compile_max_bs: int = 8):
         """max_total_tokens: the KV pool's size in tokens (default: sized from memory, see plan_kv_pool).
         mem_fraction_static: the share of memory for weights + KV cache (default 0.88 of a GPU; on a CPU 0.25 of
         the available RAM, for the KV cache alone, at most 1 GiB). eos_token_ids: the tokenizer's (tokenizer.py);
         default: read from the checkpoint's configs. progress: a progress bar while loading (None: when stderr is
-        a terminal). verbose: one line on load."""
+        a terminal). verbose: one line on load. enable_torch_compile (CPU): decode batches of up to
+        torch_compile_max_bs requests run torch.compile'd code, one graph per CUDA-graph bucket (graph.py)."""
         model_path = Path(model_path)
         if not (model_path / "config.json").exists():
             raise FileNotFoundError(f"no config.json in {model_path}: not a Hugging Face model folder")
@@ -171,6 +173,8 @@ class Engine:
                              f"{max_running_requests}")
         if cuda_graph_max_bs < 1:  # checked on every device: a setting that would fail on a GPU fails here too
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {cuda_graph_max_bs}")
+        if enable_torch_compile and torch_compile_max_bs < 1:
+            raise ValueError(f"torch_compile_max_bs must be >= 1, got {torch_compile_max_bs}")
         if max_total_tokens is not None and max_total_tokens < page_size:
             raise ValueError(f"max_total_tokens={max_total_tokens} holds no page of {page_size} tokens")
         if mem_fraction_static is not None and not 0.0 < mem_fraction_static < 1.0:
@@ -193,9 +197,12 @@ class Engine:
         # CUDA graphs pad batches with rows whose K/V must land somewhere harmless: one extra page that the cache
         # manager never sees (num_pages stays the usable count) holds the dummy slot.
         use_graphs = cuda_graph and can_capture(self.device)
+        if enable_torch_compile and self.device.type != "cpu":
+            raise ValueError("enable_torch_compile is the CPU's stand-in for CUDA graphs; on CUDA the graphs run")
+        use_compile = enable_torch_compile and not use_graphs
         num_pages = self.kv_plan.num_pages
-        self.kv_pool = PagedKVPool(cfg.num_layers, num_pages + int(use_graphs), page_size, cfg.num_kv_heads,
-                                   cfg.head_dim, dtype, self.device)
+        self.kv_pool = PagedKVPool(cfg.num_layers, num_pages + int(use_graphs or use_compile), page_size,
+                                   cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
         self.kv_pool.num_pages = num_pages
         self.dummy_slot = num_pages * page_size  # first slot of the reserved page (used only with graphs)
         if verbose:
@@ -210,6 +217,11 @@ class Engine:
         self.future_tokens = torch.zeros(max_running_requests, dtype=torch.long, device=self.device)  # [rows]
         self.num_graph_replays = self.num_eager_forwards = 0  # which path ran (the tests check CPU stays eager)
         self.graph_runner = GraphRunner(self, min(cuda_graph_max_bs, max_running_requests)) if use_graphs else None
+        if use_compile:
+            self.graph_runner = CompiledRunner(self, min(torch_compile_max_bs, max_running_requests))
+            if verbose:
+                times = ", ".join(f"{bs}: {t:.1f} s" for bs, t in sorted(self.graph_runner.compile_seconds.items()))
+                print(f"[torch.compile of the decode forward, per batch-size bucket: {times}]", file=sys.stderr)
 
     def memory_report(self) -> MemoryReport:
         by_dtype: dict[str, int] = {}

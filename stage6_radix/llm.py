@@ -78,7 +78,8 @@ class LLM:
                  record_stats: bool = False, tokenizer_config: TokenizerConfig | None = None,
                  progress: bool | None = None, verbose: bool = True, disable_cuda_graph: bool = False,
                  cuda_graph_max_bs: int = 64, disable_overlap: bool | None = None,
-                 disable_radix_cache: bool = False, schedule_policy: str = "lpm"):
+                 disable_radix_cache: bool = False, schedule_policy: str = "lpm",
+                 enable_torch_compile: bool = False, torch_compile_max_bs: int = 8):
         """dtype: float32, bfloat16, float16 or "auto" (the checkpoint's). max_total_tokens / mem_fraction_static:
         the KV pool's size (engine.plan_kv_pool). max_prefill_tokens, chunked_prefill_size, schedule_conservativeness:
         admission (scheduler/prefill.py). progress: a loading progress bar (None: when stderr is a terminal).
@@ -86,6 +87,7 @@ class LLM:
         prefix cache (stage 5's engine). schedule_policy: "lpm" (longest cached prefix first) or "fcfs".
 
         disable_overlap: None (default) overlaps on CUDA and not on a CPU; False forces it on, True off.
+        enable_torch_compile (CPU): decode batches of up to torch_compile_max_bs run compiled code (graph.py).
         With overlap on, the LLM owns a device-worker thread: `close()` (or `with LLM(...) as llm:`) stops it; an
         LLM that is garbage-collected, or still open when the interpreter exits, is closed then."""
         self.model_path = resolve_model_path(model)
@@ -94,7 +96,8 @@ class LLM:
                              page_size=page_size, max_running_requests=max_running_requests,
                              max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
                              eos_token_ids=self.tokenizer.eos_token_ids, progress=progress, verbose=verbose,
-                             cuda_graph=not disable_cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs)
+                             cuda_graph=not disable_cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
+                             enable_torch_compile=enable_torch_compile, torch_compile_max_bs=torch_compile_max_bs)
         if self.tokenizer.config.max_length is None:  # leave room for at least one generated token
             self.tokenizer.config.max_length = self.engine.max_context_len - 1
         self.scheduler = Scheduler(self.engine, self.tokenizer, max_prefill_tokens=max_prefill_tokens,

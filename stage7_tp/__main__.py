@@ -52,6 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-interval", type=int, default=0, help="log throughput every N decode steps")
     parser.add_argument("--disable-cuda-graph", action="store_true", help="decode eagerly on CUDA too")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=64, help="largest batch captured in a graph")
+    parser.add_argument("--enable-torch-compile", action="store_true",
+                        help="CPU: decode batches of up to --torch-compile-max-bs run torch.compile'd code, one graph "
+                             "per bucket (compiling takes a while at start-up)")
+    parser.add_argument("--torch-compile-max-bs", type=int, default=8, help="largest batch compiled")
     parser.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache (stage 5's engine)")
     parser.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"],
                         help="waiting-queue order within a priority: longest cached prefix first, or arrival order")
@@ -91,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                        max_prefill_tokens=args.max_prefill_tokens, chunked_prefill_size=args.chunked_prefill_size,
                        schedule_conservativeness=args.schedule_conservativeness, log_interval=args.log_interval,
                        disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
+                       enable_torch_compile=args.enable_torch_compile, torch_compile_max_bs=args.torch_compile_max_bs,
                        disable_overlap=args.disable_overlap, disable_radix_cache=args.disable_radix_cache,
                        schedule_policy=args.schedule_policy, progress=args.progress, tp_size=args.tp_size,
                        nnodes=args.nnodes, dist_init_addr=args.dist_init_addr, load_format=args.load_format,

@@ -87,7 +87,9 @@ class LLM:
                  progress: bool | None = None, verbose: bool = True, disable_cuda_graph: bool = False,
                  cuda_graph_max_bs: int = 64, disable_overlap: bool | None = None,
                  disable_radix_cache: bool = False, schedule_policy: str = "lpm", tp_size: int = 1, nnodes: int = 1,
-                 dist_init_addr: str | None = None, load_format: str = "auto", enable_tp_sync_check: bool = False):
+                 dist_init_addr: str | None = None, load_format: str = "auto",
+                 enable_tp_sync_check: bool = False,
+                 enable_torch_compile: bool = False, torch_compile_max_bs: int = 8):
         """dtype: float32, bfloat16, float16 or "auto" (the checkpoint's). max_total_tokens / mem_fraction_static:
         the KV pool's size (engine.plan_kv_pool). max_prefill_tokens, chunked_prefill_size, schedule_conservativeness:
         admission (scheduler/prefill.py). progress: a loading progress bar (None: when stderr is a terminal).
@@ -104,6 +106,7 @@ class LLM:
         step: a debugging guard, off by default).
 
         disable_overlap: None (default) overlaps on CUDA and not on a CPU; False forces it on, True off.
+        enable_torch_compile (CPU): decode batches of up to torch_compile_max_bs run compiled code (graph.py).
         With overlap on, the LLM owns a device-worker thread: `close()` (or `with LLM(...) as llm:`) stops it, and
         the other ranks; an LLM that is garbage-collected, or still open when the interpreter exits, is closed then."""
         if tp_size > 1:
@@ -115,7 +118,8 @@ class LLM:
             device=device, dtype=dtype, attention_backend=attention_backend, page_size=page_size,
             max_running_requests=max_running_requests, max_total_tokens=max_total_tokens,
             mem_fraction_static=mem_fraction_static, progress=progress, disable_cuda_graph=disable_cuda_graph,
-            cuda_graph_max_bs=cuda_graph_max_bs, load_format=load_format, max_prefill_tokens=max_prefill_tokens,
+            cuda_graph_max_bs=cuda_graph_max_bs, enable_torch_compile=enable_torch_compile,
+            torch_compile_max_bs=torch_compile_max_bs, load_format=load_format, max_prefill_tokens=max_prefill_tokens,
             chunked_prefill_size=chunked_prefill_size, schedule_conservativeness=schedule_conservativeness,
             log_interval=log_interval, record_stats=record_stats, disable_overlap=disable_overlap,
             disable_radix_cache=disable_radix_cache, schedule_policy=schedule_policy,
@@ -302,7 +306,8 @@ class LLM:
 
 
 ENGINE_OPTIONS = ("device", "dtype", "attention_backend", "page_size", "max_running_requests", "max_total_tokens",
-                  "mem_fraction_static", "progress", "cuda_graph_max_bs", "load_format")
+                  "mem_fraction_static", "progress", "cuda_graph_max_bs", "enable_torch_compile",
+                  "torch_compile_max_bs", "load_format")
 SCHEDULER_OPTIONS = ("max_prefill_tokens", "chunked_prefill_size", "schedule_conservativeness", "log_interval",
                      "record_stats", "disable_radix_cache", "schedule_policy")
 

@@ -23,6 +23,8 @@ buffers are reused by the smaller ones (captured largest first, as SGLang does).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .attention import ForwardBatch
@@ -112,6 +114,14 @@ class GraphRunner:
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         """Copy a real decode batch into the static buffers, pad to the bucket, replay -> logits [B, vocab]."""
         B = fb.batch_size
+        bs = self.load_inputs(fb)
+        self.graphs[bs].replay()
+        # A view of the static output: valid until the next replay, which the caller's stream orders after its use.
+        return self.outputs[bs][:B]
+
+    def load_inputs(self, fb: ForwardBatch) -> int:
+        """Copy the batch into the static buffers and pad it: -> the bucket it runs in."""
+        B = fb.batch_size
         bs = pick_bucket(self.buckets, B)
         self.input_ids[:B].copy_(fb.input_ids)  # device-to-device copies: no host sync
         self.positions[:B].copy_(fb.positions)
@@ -124,6 +134,90 @@ class GraphRunner:
             self.out_cache_loc[B:bs].fill_(self.dummy_slot)
             self.req_rows[B:bs].zero_()
             self.seq_lens[B:bs].fill_(1)
-        self.graphs[bs].replay()
-        # A view of the static output: valid until the next replay, which the caller's stream orders after its use.
-        return self.outputs[bs][:B]
+        return bs
+
+
+# ---------------------------------------------------------------- a CPU: the same runner, compiled
+# A CPU has no graphs to replay, but the cost they remove is there too: a decode step of a small model is hundreds
+# of operators, each paying Python and torch's dispatch, small next to the matmuls only when the batch is large.
+# torch.compile (inductor's CPU backend) turns the decode forward of one bucket into generated C++ loops (norms,
+# RoPE, SwiGLU and residual adds fused) around the matmul kernels, with the shapes fixed (dynamic=False): one compiled
+# graph per bucket, the same buckets, static buffers and padding as above. What it cannot take in is the torch
+# backend's attention, whose layout is decided on the host each step: it stays one opaque operator per layer
+# (vLLM and SGLang keep attention out of their compiled graphs the same way), which reads the step's real batch.
+_OP = f"{__name__.split('.')[0]}::step_attention"  # each stage package registers its own operator
+_step_batch: list[ForwardBatch | None] = [None]  # the real ForwardBatch of the step being replayed
+
+
+@torch.library.custom_op(_OP, mutates_args=())
+def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    """q [bs, H, D], k/v [bs, KVH, D] of a padded bucket -> [bs, H, D]: the real rows stored and attended by the
+    engine's backend, with the metadata it built for this step; the padded rows' outputs are zeros."""
+    fb = _step_batch[0]
+    B = fb.batch_size
+    out = fb.attn_backend.forward(q[:B], k[:B], v[:B], layer_id, fb)  # [B, H, D]
+    return out if B == q.shape[0] else torch.cat([out, out.new_zeros(q.shape[0] - B, *q.shape[1:])])
+
+
+@step_attention.register_fake
+def _(q, k, v, layer_id):
+    return torch.empty_like(q)
+
+
+class StepAttention:
+    """The attention backend a compiled graph sees: one operator per layer that torch.compile does not enter."""
+
+    name = "step_attention"
+
+    def forward(self, q, k, v, layer_id: int, fb: ForwardBatch) -> torch.Tensor:
+        return step_attention(q, k, v, layer_id)
+
+
+class CompiledRunner(GraphRunner):
+    """GraphRunner's buckets, buffers and padding; "capture" compiles the decode forward for each bucket, "replay"
+    calls that compiled code. `compile_seconds[bs]`: what each bucket's compile cost."""
+
+    def capture(self) -> None:
+        import torch._dynamo
+
+        # one compiled graph per bucket, all kept (dynamo's default keeps 8 per function)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, len(self.buckets) + 1)
+        model = self.engine.model
+        forward = type(model).forward.__wrapped__  # without its inference_mode: compiled code runs under no_grad
+
+        def decode_forward(input_ids, positions, fb):
+            return forward(model, input_ids, positions, fb)  # [bs, vocab]
+
+        self.compiled = torch.compile(decode_forward, dynamic=False, fullgraph=True)
+        self.static_batches = {bs: self.forward_batch(bs) for bs in self.buckets}
+        for fb in self.static_batches.values():
+            fb.attn_backend = StepAttention()
+        self.compile_seconds: dict[int, float] = {}
+        for bs in reversed(self.buckets):
+            self.load_inputs(self.padding_batch(bs))
+            start = time.perf_counter()
+            self.launch(self.padding_batch(bs), bs)  # the first call compiles
+            self.compile_seconds[bs] = time.perf_counter() - start
+
+    def padding_batch(self, bs: int) -> ForwardBatch:
+        """A real batch of bs padding rows (the dummy slot, page-table row 0, one key), for the compiling calls."""
+        e = self.engine
+        fb = self.forward_batch(bs)
+        fb.input_ids, fb.positions = fb.input_ids.clone(), fb.positions.clone()
+        fb.max_seq_len, fb.prefix_lens_cpu, fb.seq_lens_cpu = 1, [0] * bs, [1] * bs
+        fb.out_cache_loc = torch.full((bs,), self.dummy_slot, dtype=torch.long, device=e.device)
+        fb.req_rows, fb.seq_lens = torch.zeros_like(fb.req_rows), torch.ones_like(fb.seq_lens)
+        e.attn_backend.init_forward_metadata(fb)
+        return fb
+
+    def launch(self, fb: ForwardBatch, bs: int) -> torch.Tensor:
+        _step_batch[0] = fb
+        try:
+            with torch.no_grad():
+                return self.compiled(self.input_ids[:bs], self.positions[:bs], self.static_batches[bs])
+        finally:
+            _step_batch[0] = None
+
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        bs = self.load_inputs(fb)
+        return self.launch(fb, bs)[: fb.batch_size]  # [B, vocab]

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from common.golden import GOLDEN_MODELS, discover_stages, failures, load_golden
+from common.golden import BF16_TIE_MARGIN, GOLDEN_MODELS, discover_stages, failures, load_golden
 from common.models import resolve_model
 
 STAGES = discover_stages()
@@ -72,3 +72,41 @@ def test_stages_before_a_checkpoints_first_stage_still_refuse_it(model: str):
         stage = importlib.import_module(stage_name)
         with pytest.raises(stage.UnsupportedModelError):
             stage.LLM(str(resolve_model(model)), device="cpu", dtype="float32")
+
+
+BF16_STAGES = [s for s in STAGES if stage_number(s) >= 4]  # the bfloat16 CPU path (oneDNN's kernels) from stage 4
+
+
+@pytest.mark.parametrize("stage_name", BF16_STAGES)
+def test_golden_bfloat16_smollm2(stage_name: str):
+    """bfloat16 weights and KV cache on the CPU against transformers in bfloat16. Two correct bfloat16 runs round
+    differently, so a first divergence is accepted where the reference's own top-2 margin is below the bfloat16
+    file's tie_margin (common/golden.py: BF16_TIE_MARGIN, and `common.golden bf16-spread`, which measures it);
+    after it the texts differ and are not compared. On a margin above it the tokens must match."""
+    stage = importlib.import_module(stage_name)
+    golden = load_golden("smollm2-135m-instruct", "bfloat16")
+    assert golden["dtype"] == "bfloat16" and golden["tie_margin"] == BF16_TIE_MARGIN
+    llm = stage.LLM(str(resolve_model("smollm2-135m-instruct")), device="cpu", dtype="bfloat16", verbose=False)
+    cases = golden["cases"]
+    results = llm.generate([c["prompt"] for c in cases],
+                           stage.SamplingParams(max_new_tokens=golden["max_new_tokens"], temperature=0.0))
+    problems = failures(results, golden)
+    assert not problems, f"{stage_name} in bfloat16:\n" + "\n".join(problems)
+    identical = sum(list(r.token_ids) == c["output_ids"] for r, c in zip(results, cases))
+    assert identical >= 1, "not one prompt identical to the reference: a real bfloat16 bug, not rounding"
+
+
+def test_golden_smollm2_with_compiled_decode():
+    """Stage 5's CPU stand-in for CUDA graphs (torch.compile of the decode forward, bucket 1): SmolLM2's golden
+    prompts one at a time, so that every decode step runs compiled code, give the float32 reference's tokens."""
+    import stage5_cudagraph
+
+    golden = load_golden("smollm2-135m-instruct")
+    llm = stage5_cudagraph.LLM(str(resolve_model("smollm2-135m-instruct")), dtype="float32", verbose=False,
+                               enable_torch_compile=True, torch_compile_max_bs=1, max_running_requests=1)
+    params = stage5_cudagraph.SamplingParams(max_new_tokens=golden["max_new_tokens"], temperature=0.0)
+    results = [llm.generate([case["prompt"]], params)[0] for case in golden["cases"]]
+    problems = failures(results, golden)
+    assert not problems, "compiled decode on smollm2:\n" + "\n".join(problems)
+    decode_steps = sum(len(r.token_ids) - 1 for r in results)
+    assert llm.engine.num_graph_replays == decode_steps and llm.engine.num_eager_forwards == len(results)

@@ -391,3 +391,47 @@ def test_close_stops_the_worker_thread(path):
 
     gc.collect()
     assert len(device_threads()) == before
+
+
+# ---------------------------------------------------------------- a CPU: torch.compile per bucket (graph.py)
+@pytest.fixture(scope="module")
+def compiled_llm(path):
+    """Two buckets only (1 and 2): compiling costs seconds per bucket on two cores (cached on disk afterwards)."""
+    return LLM(path, attention_backend="torch", enable_torch_compile=True, torch_compile_max_bs=2,
+               max_running_requests=4, verbose=False)
+
+
+def test_compiled_decode_golden_on_cpu(compiled_llm):
+    """The tiny Llama's golden prompts, two at a time, so that every decode step of one or two requests runs a
+    compiled bucket (the one-request steps pad nothing, the two-request ones nothing either; a lone survivor of a
+    pair runs bucket 1): tokens as transformers' (the golden rule)."""
+    from common.golden import failures, load_golden
+
+    golden = load_golden("tiny-llama")
+    runner = compiled_llm.engine.graph_runner
+    assert runner.buckets == [1, 2] and set(runner.compile_seconds) == {1, 2}
+    before = compiled_llm.engine.num_graph_replays
+    cases, results = golden["cases"], []
+    for i in range(0, len(cases), 2):
+        results += compiled_llm.generate([c["prompt"] for c in cases[i : i + 2]],
+                                         SamplingParams(max_new_tokens=golden["max_new_tokens"], temperature=0.0))
+    assert not failures(results, golden)
+    assert compiled_llm.engine.num_graph_replays - before >= golden["max_new_tokens"] * 3 - 10
+
+
+def test_compiled_decode_pads_and_falls_back_to_eager(compiled_llm, path):
+    """Three requests decode eagerly (past the largest bucket) until one finishes, then in bucket 2; one request of
+    a pair finishing early leaves a batch of 1 (bucket 1): every path gives the tokens the eager engine gives."""
+    prompts, params = mixed(3, seed=5, max_out=12)
+    eager = LLM(path, attention_backend="torch", max_running_requests=4, verbose=False)
+    want = [r.token_ids for r in eager.generate(prompts, params)]
+    replays, forwards = compiled_llm.engine.num_graph_replays, compiled_llm.engine.num_eager_forwards
+    got = [r.token_ids for r in compiled_llm.generate(prompts, params)]
+    assert got == want
+    assert compiled_llm.engine.num_graph_replays > replays and compiled_llm.engine.num_eager_forwards > forwards
+    compiled_llm.scheduler.check_integrity()
+
+
+def test_torch_compile_max_bs_must_be_positive(path):
+    with pytest.raises(ValueError, match="torch_compile_max_bs must be >= 1"):
+        LLM(path, enable_torch_compile=True, torch_compile_max_bs=0, verbose=False)

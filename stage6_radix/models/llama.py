@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import ForwardBatch
-from ..layers import Embedding, Linear, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding
+from ..layers import Embedding, Linear, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding, linear
 from .config import ModelConfig
 
 
@@ -132,4 +132,6 @@ class LlamaForCausalLM(nn.Module):
         x = self.model(input_ids, positions, fb)  # [N, hidden]
         # Only each request's last token predicts its next token: gather B rows before the big LM-head matmul.
         x = self.model.norm(x[fb.last_token_indices])  # [B, hidden]
-        return F.linear(x, self.lm_head.weight)  # [B, vocab]
+        # Sampling reads float32 logits whatever the weights' dtype (as transformers' generate does): a bfloat16
+        # logit has 8 bits of mantissa, too few to tell close candidates apart in a softmax.
+        return linear(x, self.lm_head.weight).float()  # [B, vocab]

@@ -143,4 +143,6 @@ class LlamaForCausalLM(nn.Module):
         x = self.model(input_ids, positions, fb)  # [N, hidden]
         # Only each request's last token predicts its next token: gather B rows before the big LM-head matmul.
         x = self.model.norm(x[fb.last_token_indices])  # [B, hidden]
-        return self.lm_head.logits(x)  # [B, vocab]: each rank's share of the vocabulary, all-gathered
+        # Sampling reads float32 logits whatever the weights' dtype (as transformers' generate does): a bfloat16
+        # logit has 8 bits of mantissa, too few to tell close candidates apart in a softmax.
+        return self.lm_head.logits(x).float()  # [B, vocab]: each rank's share of the vocabulary, all-gathered

@@ -163,7 +163,9 @@ class LlamaForCausalLM(nn.Module):
         # Only each request's last token predicts its next token: gather B rows before the big LM-head matmul.
         last = fb.last_token_indices
         x, _ = self.model.norm(hidden[last], residual[last])  # [B, hidden]: the last add, fused into the norm
-        return self.lm_head.logits(x)  # [B, vocab]: each rank's share of the vocabulary, all-gathered
+        # Sampling reads float32 logits whatever the weights' dtype (as transformers' generate does): a bfloat16
+        # logit has 8 bits of mantissa, too few to tell close candidates apart in a softmax.
+        return self.lm_head.logits(x).float()  # [B, vocab]: each rank's share of the vocabulary, all-gathered
 
     def params_mapping(self, checkpoint_names) -> list[tuple[str, str, object]]:
         """The (param_name, checkpoint_name, shard_id) fragments the loader uses for this checkpoint (weights.py).

