@@ -88,7 +88,7 @@ class LLM:
                  cuda_graph_max_bs: int = 64, disable_overlap: bool | None = None,
                  disable_radix_cache: bool = False, schedule_policy: str = "lpm", tp_size: int = 1, nnodes: int = 1,
                  dist_init_addr: str | None = None, load_format: str = "auto",
-                 enable_tp_sync_check: bool = False,
+                 enable_tp_sync_check: bool = False, moe_runner_backend: str = "auto",
                  enable_torch_compile: bool = False, torch_compile_max_bs: int = 8):
         """dtype: float32, bfloat16, float16 or "auto" (the checkpoint's). max_total_tokens / mem_fraction_static:
         the KV pool's size (engine.plan_kv_pool). max_prefill_tokens, chunked_prefill_size, schedule_conservativeness:
