@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from .core import Req
 from .distributed import (SINGLE, LocalRanks, TPError, TPInfo, broadcast_object, check_in_sync, describe, destroy,
-                          init_process_groups)
+                          init_process_groups, max_over_ranks)
 from .engine import Engine, check_device
 from .scheduler import Scheduler
 from .tokenizer import Tokenizer, TokenizerConfig
@@ -117,6 +117,8 @@ def build_rank(spec: RankSpec, rank: int, tp: TPInfo = SINGLE, control=None, ver
     scheduler = Scheduler(engine, tokenizer, **spec.scheduler, stream_text=rank == 0)
     if spec.enable_tp_sync_check and tp.size > 1:
         scheduler.tp_sync_check = functools.partial(check_in_sync, control_group=control)
+    if tp.size > 1:  # the ranks admit a request with a grammar at the same step (scheduler/grammar.py)
+        scheduler.grammars.sync = functools.partial(max_over_ranks, control_group=control)
     return tokenizer, engine, scheduler
 
 
