@@ -1,7 +1,7 @@
 """What structured outputs (stage 8) cost: compiling a grammar once, and the mask at every decode step.
 
     python -m common.bench grammar [--model M] [--device cpu|cuda] [--batch-sizes 1 32]
-                                   [--max-new-tokens 64] [--repeats 3] [--threads N]
+                                   [--max-new-tokens 64] [--repeats 3] [--temperature 0] [--threads N]
 
 - compile: building xgrammar's TokenizerInfo (once per tokenizer), compiling a JSON schema cold, and the same
   schema again (a cache hit: the scheduler's GrammarBackend returns the Future it already holds).
@@ -81,7 +81,7 @@ def bench_grammar(args) -> None:
     text = json.dumps(SCHEMA)
     machine = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
     print(f"grammar: {args.model}, {args.device} ({machine}), float32, {args.max_new_tokens} new tokens "
-          "per request")
+          f"per request, temperature {args.temperature}")
     batch_max = max(args.batch_sizes)
     with LLM(path, device=args.device, verbose=False, record_stats=True, max_running_requests=max(batch_max, 8),
              max_total_tokens=batch_max * (args.max_new_tokens + 64) + 1024) as llm:
@@ -109,9 +109,9 @@ def bench_grammar(args) -> None:
         print("batch | decode step ms: plain | JSON schema | extra | mask fill ms/step (per request) "
               "| mask apply ms/step")
         for b in args.batch_sizes:
-            plain = [SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True, seed=i, temperature=0.7)
-                     for i in range(b)]
-            constrained = [SamplingParams(max_new_tokens=args.max_new_tokens, seed=i, temperature=0.7,
+            plain = [SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True, seed=i,
+                                    temperature=args.temperature) for i in range(b)]
+            constrained = [SamplingParams(max_new_tokens=args.max_new_tokens, seed=i, temperature=args.temperature,
                                           json_schema=text) for i in range(b)]
             t_plain = t_json = float("inf")
             fills.clear()
@@ -132,6 +132,9 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (greedy): the step differs by the mask alone; > 0 adds the sampler, whose sort of the "
+                        "vocabulary is faster on a row that is mostly -inf")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (1: steadier numbers on a machine that runs other work too)")
     p.set_defaults(func=bench_grammar)

@@ -18,6 +18,10 @@ then an abort keeps the aborted request's pages in rank 0's tree and drops them 
 with that prefix is matched differently, and the ranks' batches no longer have the same shape. At tp 1 the same
 list is applied at the same point: one code path.
 
+Structured outputs (stage 8) keep this shape: every rank compiles the request's grammar and runs its own
+matcher; the same logits give the same mask and the same token on every rank, so no token is broadcast. Only the
+moment a compile finishes differs between ranks, and the ranks agree on it (scheduler/grammar.py).
+
 The alternative shape (rank 0 schedules alone and broadcasts each batch) sends more bytes every step and leaves
 the other ranks unable to run the overlap scheduler or the radix cache on their own; keeping the scheduler
 deterministic is the price of this one (no wall-clock decisions, the same pool size on every rank, the same random

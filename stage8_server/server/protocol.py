@@ -17,8 +17,8 @@ Two conventions make real clients work without weakening that:
   dropped before validation, so the field takes its default.
 - A value that asks for nothing this server would do differently is accepted and dropped (NO_OPS):
   `store: false`, `tools: []`, `tool_choice: "none"` (with whatever tools: none may be called),
-  `response_format: {"type": "text"}`, and `parallel_tool_calls` once no tools are left. Any other
-  value of those fields is still refused.
+  `response_format: {"type": "text"}`, and `parallel_tool_calls` once no tools are left. Other values of
+  tools, tool_choice and response_format ask for structured output (above); `store: true` is refused.
 """
 
 from __future__ import annotations
