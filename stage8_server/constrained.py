@@ -39,7 +39,7 @@ MAX_WHITESPACE = 16
 
 
 def _xgrammar():
-    import xgrammar  # imported on the first grammar: `import stage8_server` stays light
+    import xgrammar  # imported on the first grammar: importing the engine stays light
 
     return xgrammar
 
