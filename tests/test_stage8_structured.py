@@ -1,9 +1,10 @@
-"""Stage 8: structured outputs. A JSON schema, a regex or an EBNF grammar becomes a mask over the vocabulary at
-every step (xgrammar), offline and through the server; tool_choice becomes the grammar of a tool call.
+"""Stage 8: structured outputs. A JSON schema, a regex or an EBNF grammar becomes a mask over the
+vocabulary at every step (xgrammar), offline and through the server; tool_choice becomes the grammar
+of a tool call.
 
-tiny-llama (random weights) is the sharpest test of the mask: left alone it emits noise, constrained it must
-still follow the grammar to the character. SmolLM2 (real weights, slow) checks the lesson's figure: 32 of 32
-outputs are valid JSON of the schema, greedy and sampled."""
+tiny-llama (random weights) is the sharpest test of the mask: left alone it emits noise, constrained
+it must still follow the grammar to the character. SmolLM2 (real weights, slow) checks the lesson's
+figure: 32 of 32 outputs are valid JSON of the schema, greedy and sampled."""
 
 from __future__ import annotations
 
@@ -46,11 +47,13 @@ def llm(tiny_llama_path):
 
 def mixed_params(max_new_tokens: int = 80) -> list[SamplingParams]:
     """Greedy and sampled, with and without a grammar."""
-    return [SamplingParams(max_new_tokens=max_new_tokens, json_schema=PERSON),
-            SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=7, json_schema=PERSON),
-            SamplingParams(max_new_tokens=12),
-            SamplingParams(max_new_tokens=12, temperature=1.0, seed=8),
-            SamplingParams(max_new_tokens=20, regex=REGEX, temperature=0.8, seed=9)]
+    return [
+        SamplingParams(max_new_tokens=max_new_tokens, json_schema=PERSON),
+        SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=7, json_schema=PERSON),
+        SamplingParams(max_new_tokens=12),
+        SamplingParams(max_new_tokens=12, temperature=1.0, seed=8),
+        SamplingParams(max_new_tokens=20, regex=REGEX, temperature=0.8, seed=9)
+    ]
 
 
 # ---------------------------------------------------------------- offline
@@ -61,7 +64,8 @@ def test_each_grammar_kind_is_followed_greedy_and_sampled(llm):
               SamplingParams(max_new_tokens=20, regex=REGEX, temperature=1.0, seed=2),
               SamplingParams(max_new_tokens=30, ebnf=EBNF, temperature=1.0, seed=3)]
     results = llm.generate([PROMPT] * len(params), params)
-    assert [r.finish_reason for r in results] == ["stop"] * len(params)  # the grammar completed each one
+    # the grammar completed each one
+    assert [r.finish_reason for r in results] == ["stop"] * len(params)
     valid_person(results[0].text)
     valid_person(results[1].text)
     assert all(re.fullmatch(REGEX, r.text) for r in results[2:4])
@@ -80,15 +84,22 @@ def test_a_mixed_batch_gives_every_request_the_tokens_it_gets_alone(llm):
 
 def test_a_stop_string_cuts_a_constrained_output(llm):
     ref = llm.generate([PROMPT], SamplingParams(max_new_tokens=96, json_schema=PERSON))[0]
-    cut = llm.generate([PROMPT], SamplingParams(max_new_tokens=96, json_schema=PERSON, stop='"age"'))[0]
+    cut = llm.generate([PROMPT], SamplingParams(max_new_tokens=96, json_schema=PERSON,
+                                                stop='"age"'))[0]
     assert cut.finish_reason == "stop" and cut.matched_stop == '"age"'
     assert cut.text == ref.text[: ref.text.index('"age"')]
 
 
 def test_copies_share_one_compile_and_the_radix_cache(llm):
     schema = dict(PERSON, title="copies")  # a text no earlier test compiled
-    prompt = "A prompt long enough to fill whole KV pages, so that the radix cache has them to share. " * 2
-    params = [SamplingParams(max_new_tokens=80, temperature=1.0, seed=s, json_schema=schema) for s in range(4)]
+    prompt = (
+        "A prompt long enough to fill whole KV pages, so that the radix cache has them to share. "
+        * 2
+    )
+    params = [
+        SamplingParams(max_new_tokens=80, temperature=1.0, seed=s, json_schema=schema)
+        for s in range(4)
+    ]
     grammars = llm.scheduler.grammars
     compiles = len(grammars.backend.compile_seconds) if grammars.backend else 0
     first = llm.generate([prompt] * 4, params)
@@ -101,7 +112,8 @@ def test_copies_share_one_compile_and_the_radix_cache(llm):
 def test_overlap_scheduler_gives_the_tokens_of_the_synchronous_one(llm, tiny_llama_path):
     params = mixed_params()
     ref = [r.token_ids for r in llm.generate([PROMPT] * len(params), params)]
-    with LLM(tiny_llama_path, verbose=False, max_total_tokens=8192, disable_overlap=False) as overlapped:
+    with LLM(tiny_llama_path, verbose=False, max_total_tokens=8192,
+             disable_overlap=False) as overlapped:
         assert overlapped.scheduler.overlap
         assert [r.token_ids for r in overlapped.generate([PROMPT] * len(params), params)] == ref
 
@@ -116,7 +128,8 @@ def test_bad_grammars_are_refused_by_name_and_the_engine_keeps_working(llm):
     assert [r.finish_reason for r in results] == ["error"] * 3 + ["length"]
     assert 'invalid json_schema: Unsupported type "foo"' in results[0].error
     assert "invalid regex" in results[1].error and "invalid ebnf" in results[2].error
-    # Past the check (add_req is what the server's scheduler calls): the compile fails, the request alone ends.
+    # Past the check (add_req is what the server's scheduler calls): the compile fails, the request
+    # alone ends.
     req = Req(10**6, llm.encode(PROMPT), SamplingParams(regex="(unclosed"))
     llm.add_req(req)
     outputs = []
@@ -124,13 +137,15 @@ def test_bad_grammars_are_refused_by_name_and_the_engine_keeps_working(llm):
         outputs += llm.step()
     assert req.finish_reason == "error" and "invalid regex" in req.error
     assert [o.error for o in outputs if o.rid == req.rid] == [req.error]
-    assert llm.generate([PROMPT], SamplingParams(max_new_tokens=20, regex=REGEX))[0].finish_reason == "stop"
+    assert llm.generate([PROMPT], SamplingParams(max_new_tokens=20,
+                                                 regex=REGEX))[0].finish_reason == "stop"
 
 
 def test_padding_rows_of_the_vocabulary_are_never_sampled(tiny_llama_path, tmp_path):
-    """A model whose logits are wider than the tokenizer (lm_head padded): the ids past the tokenizer are masked
-    with every other forbidden token, even when they are the most likely."""
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+    """A model whose logits are wider than the tokenizer (lm_head padded): the ids past the
+    tokenizer are masked with every other forbidden token, even when they are the most likely."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "generation_config.json"):
         shutil.copy(tiny_llama_path / name, tmp_path / name)
     config = json.loads((tiny_llama_path / "config.json").read_text())
     tokenizer_size, config["vocab_size"] = config["vocab_size"], config["vocab_size"] + 64
@@ -152,10 +167,12 @@ def test_padding_rows_of_the_vocabulary_are_never_sampled(tiny_llama_path, tmp_p
 
 
 def test_tensor_parallel_ranks_each_run_the_matchers_in_lockstep(llm, tiny_llama_path):
-    """tp 2 on gloo: every rank compiles and matches on its own; the ranks agree on when a compiled grammar's
-    request is admitted, and the sync check compares every step's batch and tokens across the ranks."""
+    """tp 2 on gloo: every rank compiles and matches on its own; the ranks agree on when a compiled
+    grammar's request is admitted, and the sync check compares every step's batch and tokens across
+    the ranks."""
     params = mixed_params()
-    schema = dict(PERSON, title="tp")  # compiled while the others run: ready at different times per rank
+    # compiled while the others run: ready at different times per rank
+    schema = dict(PERSON, title="tp")
     params.append(SamplingParams(max_new_tokens=80, json_schema=schema))
     ref = llm.generate([PROMPT] * len(params), params)
     with LLM(tiny_llama_path, verbose=False, max_total_tokens=4096, tp_size=2,
@@ -169,34 +186,41 @@ def test_tensor_parallel_ranks_each_run_the_matchers_in_lockstep(llm, tiny_llama
 # ---------------------------------------------------------------- the server
 @pytest.fixture(scope="module")
 def server(tiny_llama_path):
-    with running_server(tiny_llama_path, "--max-total-tokens", "8192", "--served-model-name", "tiny") as server:
+    with running_server(tiny_llama_path, "--max-total-tokens", "8192", "--served-model-name",
+                        "tiny") as server:
         yield server
 
 
 MESSAGES = [{"role": "user", "content": "Describe a person."}]
-RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+RESPONSE_FORMAT = {
+    "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}
+}
 
 
 def chat(server, **kwargs):
-    return server.client.chat.completions.create(model="tiny", messages=MESSAGES, **{"temperature": 0,
-                                                                                     "max_tokens": 96, **kwargs})
+    return server.client.chat.completions.create(model="tiny", messages=MESSAGES,
+                                                 **{"temperature": 0, "max_tokens": 96, **kwargs})
 
 
 def test_response_format_regex_and_ebnf_through_every_route(server, llm):
     out = chat(server, response_format=RESPONSE_FORMAT).choices[0]
-    ref = llm.generate([llm.apply_chat_template(MESSAGES)], SamplingParams(max_new_tokens=96, json_schema=PERSON))
-    assert out.finish_reason == "stop" and out.message.content == ref[0].text  # the offline engine's tokens
+    ref = llm.generate([llm.apply_chat_template(MESSAGES)],
+                       SamplingParams(max_new_tokens=96, json_schema=PERSON))
+    # the offline engine's tokens
+    assert out.finish_reason == "stop" and out.message.content == ref[0].text
     valid_person(out.message.content)
     streamed = chat(server, response_format=RESPONSE_FORMAT, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == out.message.content
-    # json_object: any JSON object, the grammar of the schema {"type": "object"} (its strings may run past
-    # max_tokens with random weights; SmolLM2 closes them)
+    # json_object: any JSON object, the grammar of the schema {"type": "object"} (its strings may
+    # run past max_tokens with random weights; SmolLM2 closes them)
     anything = chat(server, response_format={"type": "json_object"}, max_tokens=24).choices[0]
     ref = llm.generate([llm.apply_chat_template(MESSAGES)],
                        SamplingParams(max_new_tokens=24, json_schema={"type": "object"}))[0]
     assert anything.message.content == ref.text and ref.text.startswith("{")
-    text = server.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=96, temperature=0.7,
-                                            extra_body={"json_schema": json.dumps(PERSON)}).choices[0].text
+    text = server.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=96,
+                                            temperature=0.7, extra_body={
+                                                "json_schema": json.dumps(PERSON)
+                                            }).choices[0].text
     valid_person(text)
     text = server.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20,
                                             extra_body={"regex": REGEX}).choices[0].text
@@ -211,30 +235,40 @@ def test_n_copies_each_follow_the_schema(server):
     assert all(valid_person(t) for t in texts) and len(set(texts)) > 1
 
 
-BAD = [({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "foo"}}}},
-        'invalid json_schema: Unsupported type "foo"', None),
-       ({"regex": "[a-"}, "invalid regex", None),
+BAD = [({
+    "response_format": {
+        "type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "foo"}}
+    }
+}, 'invalid json_schema: Unsupported type "foo"', None), ({"regex": "[a-"}, "invalid regex", None),
        ({"ebnf": "root ::= missing"}, 'invalid ebnf: .*Rule "missing" is not defined', None),
-       ({"response_format": {"type": "json_schema", "json_schema": {"name": "p"}}}, "needs json_schema.schema",
-        "response_format"),
-       ({"response_format": {"type": "json_object"}, "regex": "a"}, "at most one of response_format, regex",
-        "regex")]
+       ({"response_format": {"type": "json_schema", "json_schema": {"name": "p"}}},
+        "needs json_schema.schema", "response_format"),
+       ({"response_format": {"type": "json_object"},
+         "regex": "a"}, "at most one of response_format, regex", "regex")]
 
 
-@pytest.mark.parametrize("extra,message,param", BAD, ids=["schema", "regex", "ebnf", "no-schema", "two"])
+@pytest.mark.parametrize("extra,message,param", BAD,
+                         ids=["schema", "regex", "ebnf", "no-schema", "two"])
 def test_a_bad_grammar_is_a_400_naming_it_and_the_server_goes_on(server, extra, message, param):
-    resp = server.http.post("/v1/chat/completions", json=dict(messages=MESSAGES, max_tokens=4, **extra))
+    resp = server.http.post("/v1/chat/completions", json=dict(messages=MESSAGES, max_tokens=4,
+                                                              **extra))
     assert resp.status_code == 400, resp.text
-    assert re.search(message, resp.json()["error"]["message"]) and resp.json()["error"]["param"] == param
+    assert re.search(message,
+                     resp.json()["error"]["message"]) and resp.json()["error"]["param"] == param
     assert chat(server, max_tokens=2).choices[0].finish_reason == "length"
 
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast for a city",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_person", "parameters": PERSON}}]
+WEATHER = {
+    "type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7}
+    }, "required": ["city", "days"], "additionalProperties": False
+}
+TOOLS = [{
+    "type": "function", "function": {
+        "name": "get_weather", "description": "Forecast for a city", "parameters": WEATHER
+    }
+}, {"type": "function", "function": {"name": "get_person", "parameters": PERSON}}]
 SCHEMAS = {"get_weather": WEATHER, "get_person": PERSON}
 
 
@@ -243,21 +277,25 @@ def test_tool_choice_naming_a_function_returns_a_tool_call(server):
     out = chat(server, tools=TOOLS, tool_choice=named).choices[0]
     assert out.finish_reason == "tool_calls" and out.message.content is None
     (call,) = out.message.tool_calls
-    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith(
+        "call_")
     jsonschema.validate(json.loads(call.function.arguments), WEATHER)
     chunks = list(chat(server, tools=TOOLS, tool_choice=named, stream=True))
     deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
-    assert deltas[0].id and deltas[0].function.name == "get_weather" and all(d.index == 0 for d in deltas)
+    assert deltas[0].id and deltas[0].function.name == "get_weather" and all(
+        d.index == 0 for d in deltas)
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
-    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == [
+        "tool_calls"
+    ]
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_choice_required_calls_some_of_the_tools(server, stream):
     calls = []
     for seed, parallel in ((1, True), (2, True), (3, False)):
-        kwargs = dict(tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel, temperature=1.0,
-                      seed=seed, max_tokens=200)
+        kwargs = dict(tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel,
+                      temperature=1.0, seed=seed, max_tokens=200)
         if stream:
             chunks = list(chat(server, stream=True, **kwargs))
             found = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
@@ -275,12 +313,15 @@ def test_tool_choice_required_calls_some_of_the_tools(server, stream):
 @pytest.mark.parametrize("extra,message", [
     ({"tools": TOOLS}, 'tool_choice "auto"'),
     ({"tools": TOOLS, "tool_choice": "auto"}, 'tool_choice "auto"'),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope', which is not"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}
+      }, "'nope', which is not"),
     ({"tool_choice": "required"}, "tool_choice needs tools"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "at most one"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}
+      }, "at most one"),
 ], ids=["tools-alone", "auto", "unknown", "no-tools", "and-response-format"])
 def test_tool_choices_that_cannot_be_honoured_are_400s(server, extra, message):
-    resp = server.http.post("/v1/chat/completions", json=dict(messages=MESSAGES, max_tokens=4, **extra))
+    resp = server.http.post("/v1/chat/completions", json=dict(messages=MESSAGES, max_tokens=4,
+                                                              **extra))
     assert resp.status_code == 400 and message in resp.json()["error"]["message"], resp.text
 
 
@@ -288,15 +329,22 @@ def test_tool_choices_that_cannot_be_honoured_are_400s(server, extra, message):
 def people_prompts(llm) -> list[list[int]]:
     names = ["Ada", "Bo", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana"]
     jobs = ["baker", "pilot", "nurse", "farmer"]
-    return [llm.apply_chat_template(f"Give the name and age of a {job} called {name}, and whether they belong "
-                                    "to a union.") for name in names for job in jobs]
+    return [
+        llm.apply_chat_template(
+            f"Give the name and age of a {job} called {name}, and whether they belong "
+            "to a union.") for name in names for job in jobs
+    ]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_smollm2_json_schema_outputs_are_valid_for_32_of_32_prompts(smollm2_path, temperature):
     with LLM(smollm2_path, verbose=False, max_total_tokens=16384) as llm:
         prompts = people_prompts(llm)
-        params = [SamplingParams(max_new_tokens=128, temperature=temperature, seed=i, json_schema=PERSON)
-                  for i in range(len(prompts))]
+        params = [
+            SamplingParams(max_new_tokens=128, temperature=temperature, seed=i, json_schema=PERSON)
+            for i in range(len(prompts))
+        ]
         results = llm.generate(prompts, params)
-    assert len(results) == 32 and all(valid_person(r.text) for r in results), [r.text for r in results]
+    assert len(results) == 32 and all(valid_person(r.text) for r in results), [
+        r.text for r in results
+    ]
