@@ -3,8 +3,8 @@
 Each field holds an option's default, its help text (the field's metadata) and, in check(), what it may be. The
 Python API and the command line are two doors to the same object:
 
-    LLM(model, page_size=4)                        -> ServerArgs(model_path=model, page_size=4)
-    python -m stage4_scheduler --page-size 4       -> ServerArgs.add_cli_args(parser); ServerArgs.from_cli_args(args)
+    LLM(model, page_size=4)   ->  ServerArgs(model_path=model, page_size=4)
+    --page-size 4             ->  ServerArgs.add_cli_args(parser), then ServerArgs.from_cli_args(args)
 
 The flag of a field is its name in kebab case (max_running_requests -> --max-running-requests). Every value is
 checked when the ServerArgs is built, before any weight is loaded, and an error names the option.
