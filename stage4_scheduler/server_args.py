@@ -126,10 +126,13 @@ def check_type(name: str, value, hint) -> None:
     """TypeError unless value is one of the hint's types (an int passes for a float; a bool is not an int)."""
     allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     for t in allowed:
-        if value is None if t is type(None) else isinstance(value, t) and not (
-                isinstance(value, bool) and t is not bool):
-            return
-        if t is float and isinstance(value, int) and not isinstance(value, bool):
+        if t is type(None):
+            ok = value is None
+        elif isinstance(value, bool):  # True is an int to Python, not to an option
+            ok = t is bool
+        else:
+            ok = isinstance(value, t) or (t is float and isinstance(value, int))
+        if ok:
             return
     names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
     raise TypeError(f"{name} must be {names}, got {type(value).__name__} {value!r}")
