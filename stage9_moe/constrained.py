@@ -1,24 +1,26 @@
-"""Structured outputs: the output follows a grammar (a JSON schema, a regular expression or an EBNF grammar)
-whatever the model would rather say, because before every sampling step the tokens that would break the grammar
-are taken out of the running.
+"""Structured outputs: the output follows a grammar (a JSON schema, a regular expression or an EBNF
+grammar) whatever the model would rather say, because before every sampling step the tokens that
+would break the grammar are taken out of the running.
 
-    grammar text ──parse + compile, once per text, on a thread──▶ CompiledGrammar        (xgrammar)
-    per request:  GrammarMatcher(compiled)             where in the grammar this request's output stands
-    per step:     matcher.fill_next_token_bitmask       one bit per vocabulary id: may it come next?
-                  apply_token_bitmask_inplace           logits of the forbidden ids -> -inf, then the sampler
-                  matcher.accept_token(token)           advance by the token sampled
-                  matcher.is_terminated()               the grammar is complete and took a stop token: "stop"
+    grammar text ──parse + compile, once per text, on a thread──▶ CompiledGrammar   (xgrammar)
+    per request:  GrammarMatcher(compiled)       where this request's output stands in the grammar
+    per step:     fill_next_token_bitmask        one bit per vocabulary id: may it come next?
+                  apply_token_bitmask_inplace    the forbidden ids' logits -> -inf; then the sampler
+                  accept_token(token)            advance by the token sampled
+                  is_terminated()                complete, and its stop token taken: "stop"
 
-xgrammar is SGLang's default grammar backend. Compiling is the expensive part: the compiler walks the whole
-vocabulary once per grammar and records, for each position in the grammar, which tokens it accepts (its
-"adaptive token mask cache"), tens of milliseconds for a small JSON schema over a 49k vocabulary. That is why a
-grammar is compiled once per distinct text (the cache below), on a thread pool (xgrammar's compiler releases the
-GIL, so the scheduler's loop keeps stepping meanwhile), and why the per-step fill is cheap: a lookup in that cache
-for most tokens, a real check only for the few that depend on the matcher's stack.
+xgrammar is SGLang's default grammar backend. Compiling is the expensive part: the compiler walks
+the whole vocabulary once per grammar and records, for each position in the grammar, which tokens it
+accepts (its "adaptive token mask cache"), tens of milliseconds for a small JSON schema over a 49k
+vocabulary. That is why a grammar is compiled once per distinct text (the cache below), on a thread
+pool (xgrammar's compiler releases the GIL, so the scheduler's loop keeps stepping meanwhile), and
+why the per-step fill is cheap: a lookup in that cache for most tokens, a real check only for the
+few that depend on the matcher's stack.
 
-The bitmask is as wide as the model's logits (config.vocab_size). That may exceed the tokenizer's vocabulary
-(lm_head rows padded to a round number): TokenizerInfo is told the model's width, treats the ids past the
-tokenizer as never allowed, and the padding rows are masked like any forbidden token.
+The bitmask is as wide as the model's logits (config.vocab_size). That may exceed the tokenizer's
+vocabulary (lm_head rows padded to a round number): TokenizerInfo is told the model's width, treats
+the ids past the tokenizer as never allowed, and the padding rows are masked like any forbidden
+token.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept (least recently asked for dropped first)
-# JSON: at most this many whitespace characters between two elements. Unbounded, a small model can emit
-# newlines until max_tokens, each one allowed by the grammar; 16 still fits indented output.
+# JSON: at most this many whitespace characters between two elements. Unbounded, a small model can
+# emit newlines until max_tokens, each one allowed by the grammar; 16 still fits indented output.
 MAX_WHITESPACE = 16
 
 
@@ -45,16 +47,16 @@ def _xgrammar():
 
 
 def clean_message(exc: BaseException) -> str:
-    """xgrammar's C++ errors start with a timestamp, a source path and the failed check: keep the words."""
+    """xgrammar's C++ errors start with a timestamp, a source path, the failed check: keep words."""
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)
     return text.replace("Check failed: (error.empty()) is false: ", "")
 
 
 def parse_grammar(kind: str, text: str):
-    """(kind, text) -> xgrammar.Grammar, or ValueError naming the problem. Cheap (no vocabulary involved): the
-    server runs it on every request before the scheduler sees one, so a bad grammar is a 400, not a compile
-    failure later."""
+    """(kind, text) -> xgrammar.Grammar, or ValueError naming the problem. Cheap (no vocabulary
+    involved): the server runs it on every request before the scheduler sees one, so a bad grammar
+    is a 400, not a compile failure later."""
     xgr = _xgrammar()
     if kind == "json_schema":
         try:
@@ -63,7 +65,8 @@ def parse_grammar(kind: str, text: str):
             raise ValueError(f"invalid json_schema: not JSON ({exc})") from None
     try:
         if kind == "json_schema":
-            return xgr.Grammar.from_json_schema(text, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE)
+            return xgr.Grammar.from_json_schema(text, any_whitespace=True,
+                                                max_whitespace_cnt=MAX_WHITESPACE)
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         if kind == "ebnf":
@@ -74,23 +77,27 @@ def parse_grammar(kind: str, text: str):
 
 
 def check_grammar(params) -> None:
-    """Refuse SamplingParams whose grammar does not parse (ValueError naming it); no grammar: nothing to do."""
+    """Refuse SamplingParams whose grammar does not parse (ValueError naming it); no grammar:
+    nothing to do."""
     if params.grammar is not None:
         parse_grammar(*params.grammar)
 
 
 class GrammarBackend:
-    """Compiles grammars for one tokenizer and logits width: on a thread pool, once per (kind, text); hands each
-    request a matcher of its own (SGLang's BaseGrammarBackend + XGrammarGrammarBackend, in one)."""
+    """Compiles grammars for one tokenizer and logits width: on a thread pool, once per (kind,
+    text); hands each request a matcher of its own (SGLang's BaseGrammarBackend +
+    XGrammarGrammarBackend, in one)."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids, num_threads: int = 2):
         self.hf_tokenizer, self.vocab_size = hf_tokenizer, vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.executor = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar")
-        self.cache: dict[tuple[str, str], Future] = {}  # (kind, text) -> Future of its CompiledGrammar
+        # (kind, text) -> Future of its CompiledGrammar
+        self.cache: dict[tuple[str, str], Future] = {}
         self._compiler = None
         self._lock = threading.Lock()
-        self.compile_seconds: list[float] = []  # one entry per compile actually run (the cache's misses)
+        # one entry per compile actually run (the cache's misses)
+        self.compile_seconds: list[float] = []
 
     def get_future(self, key: tuple[str, str]) -> Future:
         """The compiled grammar of (kind, text), as a Future: done at once on a cache hit."""
@@ -105,15 +112,18 @@ class GrammarBackend:
         return future
 
     def compiler(self):
-        """Built on the first compile, on the pool's thread: TokenizerInfo reads every token of the vocabulary
-        (a fifth of a second for 49k tokens), which the scheduler's loop should not wait for either."""
+        """Built on the first compile, on the pool's thread: TokenizerInfo reads every token of the
+        vocabulary (a fifth of a second for 49k tokens), which the scheduler's loop should not wait
+        for either."""
         with self._lock:
             if self._compiler is None:
                 xgr = _xgrammar()
-                info = xgr.TokenizerInfo.from_huggingface(self.hf_tokenizer, vocab_size=self.vocab_size,
+                info = xgr.TokenizerInfo.from_huggingface(self.hf_tokenizer,
+                                                          vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1),
-                                                     cache_enabled=False)  # the cache above is the one
+                                                     # the cache above is the one
+                                                     cache_enabled=False)
             return self._compiler
 
     def _compile(self, key: tuple[str, str]):
@@ -135,8 +145,9 @@ class GrammarBackend:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def apply_grammar_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """logits [S, vocab] (changed in place and returned): in each of `rows`, the ids whose bit is 0 -> -inf.
-    The other rows (unconstrained requests of the same batch) are left alone."""
+def apply_grammar_mask(logits: torch.Tensor, bitmask: torch.Tensor,
+                       rows: list[int]) -> torch.Tensor:
+    """logits [S, vocab] (changed in place and returned): in each of `rows`, the ids whose bit is 0
+    -> -inf. The other rows (unconstrained requests of the same batch) are left alone."""
     _xgrammar().apply_token_bitmask_inplace(logits, bitmask, indices=rows)
     return logits

@@ -1,19 +1,21 @@
 """The grammar manager: structured-output requests on their way in, and their masks on every step.
 
     add_request(req with a grammar) -> grammar queue, req.grammar = Future of the compiled grammar
-    each step: pop_ready()  the head of the queue whose grammar is compiled -> waiting queue, with a matcher
-                            (or, for a grammar that failed to compile, finished with reason "error")
+    each step: pop_ready()  the compiled head of the queue -> waiting queue, each with a matcher (a
+                            grammar that failed to compile: its request finishes with "error")
     launch:    fill_mask()  one bitmask row per constrained request of the batch, filled on the host
 
-A request whose grammar is still compiling waits in the grammar queue, not in the waiting queue: the scheduler
-never blocks on a compile, and the other requests keep running (SGLang's grammar_queue). The queue keeps arrival
-order: a request never overtakes an earlier one whose grammar is slower to compile.
+A request whose grammar is still compiling waits in the grammar queue, not in the waiting queue: the
+scheduler never blocks on a compile, and the other requests keep running (SGLang's grammar_queue).
+The queue keeps arrival order: a request never overtakes an earlier one whose grammar is slower to
+compile.
 
-Tensor parallelism: every rank runs its own scheduler, compiles its own grammars and runs its own matchers (the
-same logits on every rank give the same mask and the same token). Compile times differ between ranks, though,
-and a request admitted at step 5 on one rank and step 6 on another would break the lockstep. So the ranks agree
-on how many requests leave the queue: the most any rank has ready (an all-reduce over the control group, as in
-SGLang's move_ready_grammar_requests); a rank that is behind waits for those compiles to finish.
+Tensor parallelism: every rank runs its own scheduler, compiles its own grammars and runs its own
+matchers (the same logits on every rank give the same mask and the same token). Compile times differ
+between ranks, though, and a request admitted at step 5 on one rank and step 6 on another would
+break the lockstep. So the ranks agree on how many requests leave the queue: the most any rank has
+ready (an all-reduce over the control group, as in SGLang's move_ready_grammar_requests); a rank
+that is behind waits for those compiles to finish.
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ from ..core import Req
 
 class GrammarManager:
     def __init__(self, make_backend: Callable[[], GrammarBackend]):
-        self.make_backend = make_backend  # the backend (thread pool, tokenizer info) is built on first use
+        # the backend (thread pool, tokenizer info) is built on first use
+        self.make_backend = make_backend
         self.backend: GrammarBackend | None = None
         self.queue: list[Req] = []  # waiting for their grammar to compile, in arrival order
-        self.sync: Callable[[int], int] | None = None  # tensor parallelism: the max of a count over the ranks
+        # tensor parallelism: the max of a count over the ranks
+        self.sync: Callable[[int], int] | None = None
 
     def add(self, req: Req) -> bool:
-        """Queue req if it has a grammar (-> True); otherwise leave it to the waiting queue (-> False)."""
+        """Queue req if it has a grammar (-> True); else leave it to the waiting queue (False)."""
         key = req.sampling_params.grammar
         if key is None:
             return False
@@ -49,13 +53,14 @@ class GrammarManager:
         self.queue = [r for r in self.queue if r is not req]
 
     def wait(self, timeout: float) -> None:
-        """Sleep until the head of the queue is compiled, at most timeout s (when nothing else can run)."""
+        """Sleep until the head of the queue is compiled, at most timeout s (when nothing else can
+        run)."""
         if self.queue:
             wait([self.queue[0].grammar], timeout)
 
     def pop_ready(self) -> list[Req]:
-        """The head of the queue whose grammars are done, in order, each with its own matcher, or with
-        req.error set when its grammar failed to compile."""
+        """The head of the queue whose grammars are done, in order, each with its own matcher, or
+        with req.error set when its grammar failed to compile."""
         n = 0
         while n < len(self.queue) and self.queue[n].grammar.done():
             n += 1
@@ -72,9 +77,11 @@ class GrammarManager:
                 req.grammar = self.backend.matcher(compiled)
         return ready
 
-    def fill_mask(self, reqs: list[Req], device: torch.device) -> tuple[torch.Tensor, list[int]] | None:
-        """The bitmask of a batch's sampled requests: [S, ceil(vocab / 32)] int32 on `device`, and the rows
-        that carry a grammar (the others are not masked). None: no request of the batch has one."""
+    def fill_mask(self, reqs: list[Req],
+                  device: torch.device) -> tuple[torch.Tensor, list[int]] | None:
+        """The bitmask of a batch's sampled requests: [S, ceil(vocab / 32)] int32 on `device`, and
+        the rows that carry a grammar (the others are not masked). None: no request of the batch has
+        one."""
         rows = [j for j, r in enumerate(reqs) if r.grammar is not None]
         if not rows:
             return None
