@@ -235,16 +235,21 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown client(s) {unknown}; known: {known}")
 
-    os.environ.update(OFFLINE_ENV)
     model_path = resolve_model(args.model)
     served = model_path.name if Path(args.model).exists() else args.model
-    signal.signal(signal.SIGTERM, stop_on_sigterm)  # SIGTERM ends the run as Ctrl-C does
-    started = time.strftime("%Y-%m-%d %H:%M")
-    print(f"clients_check {started}: {args.stage} serving {served} ({model_path})\n{machine()}\n{versions()}")
-    with tempfile.TemporaryDirectory(prefix="clients-check-") as tmp:
-        with running_server(model_path, served, args.stage) as url:
-            print(f"server at {url}", flush=True)
-            rows = run_checks(Context(url, served, model_path, Path(tmp)), clients)
+    print(f"clients_check {time.strftime('%Y-%m-%d %H:%M')}: {args.stage} serving {served} "
+          f"({model_path})\n{machine()}\n{versions()}", flush=True)
+    saved_env, saved_handler = dict(os.environ), signal.signal(signal.SIGTERM, stop_on_sigterm)
+    os.environ.update(OFFLINE_ENV)
+    try:
+        with tempfile.TemporaryDirectory(prefix="clients-check-") as tmp:
+            with running_server(model_path, served, args.stage) as url:
+                print(f"server at {url}", flush=True)
+                rows = run_checks(Context(url, served, model_path, Path(tmp)), clients)
+    finally:  # SIGTERM ends the run as Ctrl-C does; the caller's environment comes back
+        signal.signal(signal.SIGTERM, saved_handler)
+        os.environ.clear()
+        os.environ.update(saved_env)
     print()
     print(format_table(rows))
     counts = {k: sum(r.result == k for r in rows) for k in ("PASS", "FAIL", "SKIP")}

@@ -92,14 +92,19 @@ def lm_eval_vs_hf(ctx: Context) -> str:
     server = evaluate(
         ctx, "local-completions",
         f"base_url={ctx.url}/v1/completions,model={ctx.model},tokenizer={ctx.model_path},"
-        "tokenizer_backend=huggingface,tokenized_requests=True,batch_size=4,num_concurrent=1,max_retries=1",
-        ctx.workdir / "lm-eval-server", tasks)
+        "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=1",
+        ctx.workdir / "lm-eval-server", tasks, extra=("--batch_size", "4"))  # 4 prompts a request
     hf = evaluate(ctx, "hf", f"pretrained={ctx.model_path},dtype=float32", ctx.workdir / "lm-eval-hf", tasks,
                   extra=("--device", "cpu", "--batch_size", "1"))
     assert server["loglikelihoods"].keys() == hf["loglikelihoods"].keys(), "different questions scored"
     diffs = [abs(a - b) for doc in hf["loglikelihoods"]
              for a, b in zip(server["loglikelihoods"][doc], hf["loglikelihoods"][doc], strict=True)]
     worst = max(diffs)
+    print(f"    lm-eval loglikelihood per choice, server / hf (* the right answer):")
+    for doc, (question, choices, answer) in enumerate(QUESTIONS):
+        pairs = [f"{'*' if i == answer else ''}{c} {a:.4f} / {b:.4f}" for i, (c, a, b) in
+                 enumerate(zip(choices, server["loglikelihoods"][doc], hf["loglikelihoods"][doc]))]
+        print(f"    {question:40} {'; '.join(pairs)}")
     summary = (f"{len(diffs)} loglikelihoods, max |server - hf| {worst:.1e}; "
                f"acc server {server['acc']:.3f}, hf {hf['acc']:.3f}")
     assert len(diffs) == sum(len(c) for _, c, _ in QUESTIONS), f"{len(diffs)} loglikelihoods scored"

@@ -33,8 +33,9 @@ def run_tool(args: list[str], env: dict | None = None, log_name: str = "tool.log
         except subprocess.TimeoutExpired:
             raise AssertionError(f"{args[0]} did not finish within {TOOL_TIMEOUT_S} s") from None
     if proc.returncode != 0:
-        tail = " ".join(log.read_text(errors="replace").split()[-60:])
-        raise AssertionError(f"{args[0]} exited with {proc.returncode}: ...{tail}")
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        last = lines[-1][-300:] if lines else "no output"  # a traceback's last line: the error
+        raise AssertionError(f"{args[0]} exited with {proc.returncode}: {last} (log: {log.name})")
 
 
 # ---------------------------------------------------------------- langchain-openai
