@@ -1,6 +1,7 @@
 """Real clients against stage 8's server: does the software people actually use talk to it?
 
-    python -m common.clients_check [--model smollm2-135m-instruct] [--only openai,lm-eval] [--stage stage9_moe]
+    python -m common.clients_check [--model smollm2-135m-instruct] [--only openai,lm-eval]
+                                   [--stage stage9_moe] [--json rows.json]
 
 It starts the server itself (`python -m stage8_server` on 127.0.0.1, a free port), runs every check
 below against it, stops it at the end (always: also on an error or Ctrl-C), and prints one table
@@ -54,9 +55,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 300
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "LITELLM_LOCAL_MODEL_COST_MAP": "True", "TOKENIZERS_PARALLELISM": "false",
-               "DO_NOT_TRACK": "1", "LANGSMITH_TRACING": "false"}
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    "TOKENIZERS_PARALLELISM": "false",
+    "DO_NOT_TRACK": "1",
+    "LANGSMITH_TRACING": "false",
+}
 INSTALL_HINT = 'pip install -e ".[clients]"'
 
 
@@ -136,21 +143,47 @@ def run_checks(ctx: Context, clients: list[str] | None = None, echo: bool = True
         row.notes = " ".join(row.notes.split())  # one line in the table
         rows.append(row)
         if echo:
-            print(f"  {row.result:4}  {row.client:9}  {row.what}  ({row.seconds:.1f} s)", flush=True)
+            print(
+                f"  {row.result:4}  {row.client:9}  {row.what}  ({row.seconds:.1f} s)", flush=True
+            )
     return rows
 
 
 # ---------------------------------------------------------------- the server
 @contextmanager
-def running_server(model_path: Path, served_name: str, stage: str = "stage8_server",
-                   extra_args: tuple[str, ...] = ()):
+def running_server(
+    model_path: Path,
+    served_name: str,
+    stage: str = "stage8_server",
+    extra_args: tuple[str, ...] = (),
+):
     """`python -m <stage> --port 0` in its own process group; yields its URL; SIGTERM (then
     SIGKILL) to the whole group on the way out, whatever happened."""
-    log = tempfile.NamedTemporaryFile("w+", prefix="clients-check-server-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", stage, "--model", str(model_path), "--port", "0", "--quiet",
-           "--served-model-name", served_name, *extra_args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
-                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    log = tempfile.NamedTemporaryFile(
+        "w+", prefix="clients-check-server-", suffix=".log", delete=False
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        stage,
+        "--model",
+        str(model_path),
+        "--port",
+        "0",
+        "--quiet",
+        "--served-model-name",
+        served_name,
+        *extra_args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     found: list[str] = []
 
     def read_url():  # the server prints "serving NAME at URL ..." once it listens
@@ -167,8 +200,10 @@ def running_server(model_path: Path, served_name: str, stage: str = "stage8_serv
         while not found:
             if proc.poll() is not None or time.monotonic() > deadline:
                 log.flush()
-                raise RuntimeError(f"the server did not start ({' '.join(cmd)}):\n"
-                                   f"{Path(log.name).read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"the server did not start ({' '.join(cmd)}):\n"
+                    f"{Path(log.name).read_text()[-3000:]}"
+                )
             time.sleep(0.2)
         yield found[0]
     finally:
@@ -185,8 +220,16 @@ def running_server(model_path: Path, served_name: str, stage: str = "stage8_serv
 
 # ---------------------------------------------------------------- the table
 def versions() -> str:
-    names = ("openai", "langchain-openai", "litellm", "guidellm", "aiperf", "lm_eval", "torch",
-             "transformers")
+    names = (
+        "openai",
+        "langchain-openai",
+        "litellm",
+        "guidellm",
+        "aiperf",
+        "lm_eval",
+        "torch",
+        "transformers",
+    )
     found = []
     for name in names:
         try:
@@ -198,7 +241,8 @@ def versions() -> str:
 
 def machine() -> str:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return f"{platform.machine()}, {os.cpu_count()} CPUs, load average {load}, Python {platform.python_version()}"
+    return (f"{platform.machine()}, {os.cpu_count()} CPUs, load average {load}, "
+            f"Python {platform.python_version()}")
 
 
 def format_table(rows: list[Row]) -> str:
@@ -219,15 +263,28 @@ def stop_on_sigterm(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import clients_lm_eval, clients_openai, clients_tools  # noqa: F401 - they register checks
+    from . import (
+        clients_lm_eval,
+        clients_openai,
+        clients_tools,
+    )  # noqa: F401 - they register checks
     from .models import SMOLLM2, resolve_model
 
     known = known_clients()
-    parser = argparse.ArgumentParser(prog="python -m common.clients_check", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=SMOLLM2, help="short name (common/models.py) or local HF folder")
-    parser.add_argument("--stage", default="stage8_server", help="the stage package whose server runs")
-    parser.add_argument("--only", default=None, help=f"comma-separated clients, from: {','.join(known)}")
+    parser = argparse.ArgumentParser(
+        prog="python -m common.clients_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--model", default=SMOLLM2, help="short name (common/models.py) or local HF folder"
+    )
+    parser.add_argument(
+        "--stage", default="stage8_server", help="the stage package whose server runs"
+    )
+    parser.add_argument(
+        "--only", default=None, help=f"comma-separated clients, from: {','.join(known)}"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
     clients = None if args.only is None else [c.strip() for c in args.only.split(",") if c.strip()]
@@ -237,8 +294,11 @@ def main(argv: list[str] | None = None) -> int:
 
     model_path = resolve_model(args.model)
     served = model_path.name if Path(args.model).exists() else args.model
-    print(f"clients_check {time.strftime('%Y-%m-%d %H:%M')}: {args.stage} serving {served} "
-          f"({model_path})\n{machine()}\n{versions()}", flush=True)
+    print(
+        f"clients_check {time.strftime('%Y-%m-%d %H:%M')}: {args.stage} serving {served} "
+        f"({model_path})\n{machine()}\n{versions()}",
+        flush=True,
+    )
     saved_env, saved_handler = dict(os.environ), signal.signal(signal.SIGTERM, stop_on_sigterm)
     os.environ.update(OFFLINE_ENV)
     try:

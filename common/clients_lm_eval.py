@@ -64,17 +64,37 @@ metric_list:
 def write_task(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     data = folder / f"{TASK}.jsonl"
-    data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n"
-                            for q, c, a in QUESTIONS))
+    data.write_text(
+        "".join(
+            json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in QUESTIONS
+        )
+    )
     (folder / f"{TASK}.yaml").write_text(TASK_YAML.format(task=TASK, data=data))
     return folder
 
 
 def evaluate(ctx: Context, model: str, model_args: str, out: Path, tasks: Path, extra=()) -> dict:
     """One `lm-eval run`; returns {doc_id: [loglikelihood per choice]} and the accuracy."""
-    run_tool(["lm_eval", "run", "--model", model, "--model_args", model_args, "--tasks", TASK,
-              "--include_path", str(tasks), "--output_path", str(out), "--log_samples", *extra],
-             log_name=f"lm-eval-{model}.log", ctx=ctx)
+    run_tool(
+        [
+            "lm_eval",
+            "run",
+            "--model",
+            model,
+            "--model_args",
+            model_args,
+            "--tasks",
+            TASK,
+            "--include_path",
+            str(tasks),
+            "--output_path",
+            str(out),
+            "--log_samples",
+            *extra,
+        ],
+        log_name=f"lm-eval-{model}.log",
+        ctx=ctx,
+    )
     (samples,) = out.rglob(f"samples_{TASK}_*.jsonl")
     (results,) = out.rglob("results_*.json")
     lls = {}
@@ -90,23 +110,44 @@ def lm_eval_vs_hf(ctx: Context) -> str:
     need("lm_eval", "lm-eval")
     tasks = write_task(ctx.workdir / "lm-eval-task")
     server = evaluate(
-        ctx, "local-completions",
+        ctx,
+        "local-completions",
         f"base_url={ctx.url}/v1/completions,model={ctx.model},tokenizer={ctx.model_path},"
         "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=1",
-        ctx.workdir / "lm-eval-server", tasks, extra=("--batch_size", "4"))  # 4 prompts a request
-    hf = evaluate(ctx, "hf", f"pretrained={ctx.model_path},dtype=float32", ctx.workdir / "lm-eval-hf", tasks,
-                  extra=("--device", "cpu", "--batch_size", "1"))
-    assert server["loglikelihoods"].keys() == hf["loglikelihoods"].keys(), "different questions scored"
-    diffs = [abs(a - b) for doc in hf["loglikelihoods"]
-             for a, b in zip(server["loglikelihoods"][doc], hf["loglikelihoods"][doc], strict=True)]
+        ctx.workdir / "lm-eval-server",
+        tasks,
+        extra=("--batch_size", "4"),
+    )  # 4 prompts a request
+    hf = evaluate(
+        ctx,
+        "hf",
+        f"pretrained={ctx.model_path},dtype=float32",
+        ctx.workdir / "lm-eval-hf",
+        tasks,
+        extra=("--device", "cpu", "--batch_size", "1"),
+    )
+    assert (
+        server["loglikelihoods"].keys() == hf["loglikelihoods"].keys()
+    ), "different questions scored"
+    diffs = [
+        abs(a - b)
+        for doc in hf["loglikelihoods"]
+        for a, b in zip(server["loglikelihoods"][doc], hf["loglikelihoods"][doc], strict=True)
+    ]
     worst = max(diffs)
     print(f"    lm-eval loglikelihood per choice, server / hf (* the right answer):")
     for doc, (question, choices, answer) in enumerate(QUESTIONS):
-        pairs = [f"{'*' if i == answer else ''}{c} {a:.4f} / {b:.4f}" for i, (c, a, b) in
-                 enumerate(zip(choices, server["loglikelihoods"][doc], hf["loglikelihoods"][doc]))]
+        pairs = [
+            f"{'*' if i == answer else ''}{c} {a:.4f} / {b:.4f}"
+            for i, (c, a, b) in enumerate(
+                zip(choices, server["loglikelihoods"][doc], hf["loglikelihoods"][doc])
+            )
+        ]
         print(f"    {question:40} {'; '.join(pairs)}")
-    summary = (f"{len(diffs)} loglikelihoods, max |server - hf| {worst:.1e}; "
-               f"acc server {server['acc']:.3f}, hf {hf['acc']:.3f}")
+    summary = (
+        f"{len(diffs)} loglikelihoods, max |server - hf| {worst:.1e}; "
+        f"acc server {server['acc']:.3f}, hf {hf['acc']:.3f}"
+    )
     assert len(diffs) == sum(len(c) for _, c, _ in QUESTIONS), f"{len(diffs)} loglikelihoods scored"
     assert worst <= TOLERANCE, f"{summary} (over {TOLERANCE})"
     assert server["acc"] == hf["acc"], f"{summary}: accuracies differ"

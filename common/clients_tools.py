@@ -1,4 +1,4 @@
-"""clients_check's rows for langchain-openai, litellm, guidellm and aiperf (see common/clients_check.py).
+"""clients_check's rows for langchain-openai, litellm, guidellm and aiperf.
 
 langchain and litellm run in this process; guidellm and aiperf are command-line tools, run as
 subprocesses (`python -m guidellm`, `python -m aiperf`) with a time limit, their JSON reports read
@@ -22,18 +22,28 @@ BENCH_REQUESTS, BENCH_PROMPT_TOKENS, BENCH_OUTPUT_TOKENS = 8, 64, 32
 AIPERF_REQUESTS, AIPERF_OUTPUT_TOKENS = 4, 16
 
 
-def run_tool(args: list[str], env: dict | None = None, log_name: str = "tool.log", ctx: Context | None = None):
+def run_tool(
+    args: list[str], env: dict | None = None, log_name: str = "tool.log", ctx: Context | None = None
+):
     """Run `python -m <tool> ...`; its output goes to a log in the work folder; a non-zero exit is a
     FAIL quoting the end of that log."""
     log = ctx.workdir / log_name
     with open(log, "w") as out:
         try:
-            proc = subprocess.run([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT,
-                                  env=env or os.environ.copy(), cwd=ctx.workdir, timeout=TOOL_TIMEOUT_S)
+            proc = subprocess.run(
+                [sys.executable, "-m", *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env or os.environ.copy(),
+                cwd=ctx.workdir,
+                timeout=TOOL_TIMEOUT_S,
+            )
         except subprocess.TimeoutExpired:
             raise AssertionError(f"{args[0]} did not finish within {TOOL_TIMEOUT_S} s") from None
     if proc.returncode != 0:
-        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        lines = [
+            line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()
+        ]
         last = lines[-1][-300:] if lines else "no output"  # a traceback's last line: the error
         raise AssertionError(f"{args[0]} exited with {proc.returncode}: {last} (log: {log.name})")
 
@@ -43,8 +53,15 @@ def chat_model(ctx: Context, **kwargs):
     need("langchain_openai", "langchain-openai")
     from langchain_openai import ChatOpenAI
 
-    return ChatOpenAI(base_url=f"{ctx.url}/v1", api_key="x", model=ctx.model, temperature=0,
-                      max_retries=0, timeout=600, **kwargs)
+    return ChatOpenAI(
+        base_url=f"{ctx.url}/v1",
+        api_key="x",
+        model=ctx.model,
+        temperature=0,
+        max_retries=0,
+        timeout=600,
+        **kwargs,
+    )
 
 
 def person_model():
@@ -104,8 +121,16 @@ def litellm_completion(ctx: Context, **kwargs):
     import litellm
 
     litellm.telemetry = False
-    return litellm.completion(model=f"openai/{ctx.model}", api_base=f"{ctx.url}/v1", api_key="x",
-                              messages=MESSAGES, max_tokens=16, temperature=0, timeout=600, **kwargs)
+    return litellm.completion(
+        model=f"openai/{ctx.model}",
+        api_base=f"{ctx.url}/v1",
+        api_key="x",
+        messages=MESSAGES,
+        max_tokens=16,
+        temperature=0,
+        timeout=600,
+        **kwargs,
+    )
 
 
 @check("litellm", 'completion(model="openai/<name>")')
@@ -127,31 +152,53 @@ def litellm_stream(ctx: Context) -> str:
 
 
 # ---------------------------------------------------------------- guidellm
-@check("guidellm", f"run: synchronous, {BENCH_REQUESTS} requests, {BENCH_PROMPT_TOKENS} in / "
-       f"{BENCH_OUTPUT_TOKENS} out")
+@check(
+    "guidellm",
+    f"run: synchronous, {BENCH_REQUESTS} requests, {BENCH_PROMPT_TOKENS} in / "
+    f"{BENCH_OUTPUT_TOKENS} out",
+)
 def guidellm_run(ctx: Context) -> str:
     need("guidellm")
     report = ctx.workdir / "guidellm.json"
-    run_tool(["guidellm", "run",
-              "--backend", f"kind=openai_http,target={ctx.url},model={ctx.model}",
-              "--profile", "kind=synchronous",
-              "--constraint", f"kind=max_requests,count={BENCH_REQUESTS}",
-              "--data", f"kind=synthetic_text,prompt_tokens={BENCH_PROMPT_TOKENS},"
-                        f"output_tokens={BENCH_OUTPUT_TOKENS}",
-              "--tokenizer", f"kind=huggingface_auto,model={ctx.model_path}",
-              "--output", f"kind=json,path={report}", "--disable-console-interactive"],
-             log_name="guidellm.log", ctx=ctx)
+    run_tool(
+        [
+            "guidellm",
+            "run",
+            "--backend",
+            f"kind=openai_http,target={ctx.url},model={ctx.model}",
+            "--profile",
+            "kind=synchronous",
+            "--constraint",
+            f"kind=max_requests,count={BENCH_REQUESTS}",
+            "--data",
+            f"kind=synthetic_text,prompt_tokens={BENCH_PROMPT_TOKENS},"
+            f"output_tokens={BENCH_OUTPUT_TOKENS}",
+            "--tokenizer",
+            f"kind=huggingface_auto,model={ctx.model_path}",
+            "--output",
+            f"kind=json,path={report}",
+            "--disable-console-interactive",
+        ],
+        log_name="guidellm.log",
+        ctx=ctx,
+    )
     metrics = json.loads(report.read_text())["benchmarks"][0]["metrics"]
     totals = metrics["request_totals"]
-    assert totals["successful"] == BENCH_REQUESTS and totals["errored"] == 0 and totals["incomplete"] == 0, totals
+    assert (
+        totals["successful"] == BENCH_REQUESTS
+        and totals["errored"] == 0
+        and totals["incomplete"] == 0
+    ), totals
     out = metrics["output_token_count"]["successful"]["total_sum"]
     assert out == BENCH_REQUESTS * BENCH_OUTPUT_TOKENS, f"{out} output tokens"
 
     def median(name: str) -> float:
         return metrics[name]["successful"]["median"]
 
-    return (f"{totals['successful']}/{BENCH_REQUESTS} ok, {out:.0f} output tokens; median TTFT "
-            f"{median('time_to_first_token_ms'):.0f} ms, ITL {median('inter_token_latency_ms'):.0f} ms")
+    return (
+        f"{totals['successful']}/{BENCH_REQUESTS} ok, {out:.0f} output tokens; median TTFT "
+        f"{median('time_to_first_token_ms'):.0f} ms, ITL {median('inter_token_latency_ms'):.0f} ms"
+    )
 
 
 # ---------------------------------------------------------------- aiperf
@@ -159,20 +206,62 @@ def guidellm_run(ctx: Context) -> str:
 def aiperf_profile(ctx: Context) -> str:
     need("aiperf")
     art = ctx.workdir / "aiperf"
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    run_tool(["aiperf", "profile", "--model", ctx.model, "--url", ctx.url, "--endpoint-type", "chat",
-              "--streaming", "--request-count", str(AIPERF_REQUESTS), "--concurrency", "1",
-              "--isl", str(BENCH_PROMPT_TOKENS), "--osl", str(AIPERF_OUTPUT_TOKENS),
-              "--extra-inputs", "ignore_eos:true", "--tokenizer", str(ctx.model_path),
-              "--artifact-dir", str(art), "--ui-type", "none", "--no-server-metrics",
-              "--no-gpu-telemetry", "--workers-max", "1", "--record-processors", "1", "--random-seed", "0"],
-             env=env, log_name="aiperf.log", ctx=ctx)
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    }
+    run_tool(
+        [
+            "aiperf",
+            "profile",
+            "--model",
+            ctx.model,
+            "--url",
+            ctx.url,
+            "--endpoint-type",
+            "chat",
+            "--streaming",
+            "--request-count",
+            str(AIPERF_REQUESTS),
+            "--concurrency",
+            "1",
+            "--isl",
+            str(BENCH_PROMPT_TOKENS),
+            "--osl",
+            str(AIPERF_OUTPUT_TOKENS),
+            "--extra-inputs",
+            "ignore_eos:true",
+            "--tokenizer",
+            str(ctx.model_path),
+            "--artifact-dir",
+            str(art),
+            "--ui-type",
+            "none",
+            "--no-server-metrics",
+            "--no-gpu-telemetry",
+            "--workers-max",
+            "1",
+            "--record-processors",
+            "1",
+            "--random-seed",
+            "0",
+        ],
+        env=env,
+        log_name="aiperf.log",
+        ctx=ctx,
+    )
     report = json.loads((art / "profile_export_aiperf.json").read_text())
     count = report["request_count"]["avg"]
     errors = (report.get("error_request_count") or {}).get("avg", 0)
-    assert count == AIPERF_REQUESTS and not errors, f"{count} requests, {errors} errors: {report.get('error_summary')}"
+    assert (
+        count == AIPERF_REQUESTS and not errors
+    ), f"{count} requests, {errors} errors: {report.get('error_summary')}"
     # The server's usage, not aiperf's own count: it re-tokenizes the text, which can differ by one.
     osl = report["usage_completion_tokens"]["avg"]
-    assert osl == AIPERF_OUTPUT_TOKENS, f"usage says {osl} tokens, asked {AIPERF_OUTPUT_TOKENS} (ignore_eos)"
-    return (f"{count:.0f}/{AIPERF_REQUESTS} ok, {osl:.0f} tokens each; TTFT "
-            f"{report['time_to_first_token']['p50']:.0f} ms, ITL {report['inter_token_latency']['p50']:.0f} ms (p50)")
+    assert (
+        osl == AIPERF_OUTPUT_TOKENS
+    ), f"usage says {osl} tokens, asked {AIPERF_OUTPUT_TOKENS} (ignore_eos)"
+    return (
+        f"{count:.0f}/{AIPERF_REQUESTS} ok, {osl:.0f} tokens each; TTFT "
+        f"{report['time_to_first_token']['p50']:.0f} ms, "
+        f"ITL {report['inter_token_latency']['p50']:.0f} ms (p50)"
+    )

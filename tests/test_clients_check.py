@@ -18,8 +18,12 @@ pytest.importorskip("openai")
 from common import clients_check  # noqa: E402
 
 MISSING = ("langchain_openai", "litellm", "guidellm", "aiperf", "lm_eval")  # the `clients` extra's
-STRUCTURED = ("response_format json_schema", "response_format json_object",
-              "chat.completions.parse(response_format=pydantic model)", "tool_choice naming a function")
+STRUCTURED = (
+    "response_format json_schema",
+    "response_format json_object",
+    "chat.completions.parse(response_format=pydantic model)",
+    "tool_choice naming a function",
+)
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +68,17 @@ def test_missing_tools_are_skipped_with_the_install_command(run):
     others = [r for r in rows if r.client != "openai"]
     assert {r.client for r in others} == {"langchain", "litellm", "guidellm", "aiperf", "lm-eval"}
     for r in others:
-        assert r.result == "SKIP" and "is not installed" in r.notes and clients_check.INSTALL_HINT in r.notes, r
+        assert (
+            r.result == "SKIP"
+            and "is not installed" in r.notes
+            and clients_check.INSTALL_HINT in r.notes
+        ), r
 
 
 def test_table_exit_status_and_server_stopped(run):
     status, printed, rows = run
     assert status == (1 if any(r.result == "FAIL" for r in rows) else 0)
-    table = printed[printed.index("| client | what was run |"):]
+    table = printed[printed.index("| client | what was run |") :]
     assert all(f"| {r.client} | {r.what} | {r.result} |" in table for r in rows)
     url = next(line.split()[-1] for line in printed.splitlines() if line.startswith("server at "))
     with pytest.raises(httpx.ConnectError):
