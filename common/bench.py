@@ -12,6 +12,7 @@
     python -m common.bench tp     [--model qwen3-32b-2l] [--tp 1 2 4] [--plan]  stage 7 tensor parallelism (bench_tp.py)
     python -m common.bench serving [--model M] [--request-rates 1 4 inf]  stage 8 server vs transformers serve
     python -m common.bench prompt-logprobs [--prompt-lens 128 512 2048]    stage 8 echo's logprobs
+    python -m common.bench grammar [--batch-sizes 1 32] [--device cpu|cuda]  stage 8 structured outputs' mask
     python -m common.bench moe    [--device cpu|cuda] [--repeats 5]        stage 9 MoE layer paths; dense vs MoE LLM
     python -m common.bench progression [--num-requests 32] [--out DIR]  one workload through stages 1-9 and HF
 
@@ -258,13 +259,14 @@ def main(argv: list[str] | None = None) -> None:
     overlap.add_argument("--max-new-tokens", type=int, default=64)
     overlap.add_argument("--repeats", type=int, default=3)
     # later stages' benchmarks live in their own modules
-    from common import (bench_moe, bench_profile, bench_progression, bench_prompt_logprobs,
+    from common import (bench_grammar, bench_moe, bench_profile, bench_progression, bench_prompt_logprobs,
                         bench_radix, bench_serving, bench_tp)
 
     bench_radix.add_parser(sub)
     bench_tp.add_parser(sub)
     bench_serving.add_parser(sub)
     bench_prompt_logprobs.add_parser(sub)
+    bench_grammar.add_parser(sub)
     bench_moe.add_parser(sub)
     bench_progression.add_parser(sub)
     bench_profile.add_parser(sub)

@@ -16,7 +16,11 @@ pieces: device_len stops short of the prompt's end until the last chunk.
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
+
+
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 
 
 @dataclass
@@ -38,8 +42,15 @@ class SamplingParams:
     stop: str | list[str] | None = None  # stop strings: generation ends when the text contains one (trimmed)
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None  # per-request random seed for sampling
+    # Stage 8, structured outputs: at most one grammar the output must follow (SGLang's names). A JSON schema
+    # (its text; a dict is serialised), a regular expression, or an EBNF grammar (GBNF: `root ::= ...`).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.json_schema, dict):
+            self.json_schema = json.dumps(self.json_schema)
         self.validate()
 
     def validate(self) -> None:
@@ -67,6 +78,20 @@ class SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         if stops is not None and not (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        grammars = [name for name in GRAMMAR_KINDS if getattr(self, name) is not None]
+        if len(grammars) > 1:
+            raise ValueError(f"give at most one of json_schema, regex, ebnf (got {', '.join(grammars)})")
+        for name in grammars:
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the grammar the output must follow, or None: the cache key of its compiled form."""
+        for name in GRAMMAR_KINDS:
+            if getattr(self, name) is not None:
+                return name, getattr(self, name)
+        return None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -100,7 +125,8 @@ class Req:
     cached_len: int = 0
     device_len: int = 0
     status: ReqStatus = ReqStatus.WAITING
-    finish_reason: str | None = None  # "stop" (EOS, stop token or stop string), "length", or "abort"
+    finish_reason: str | None = None  # "stop" (EOS, stop token or string, grammar complete), "length",
+    # "abort", or "error" (then `error` says why)
     matched_stop: int | str | None = None  # the stop token id or stop string that ended the request
     table_idx: int = -1  # this request's row in the page table while RUNNING
     arrival: int = 0  # scheduler step at which the request arrived (FCFS order, ageing)
@@ -120,6 +146,10 @@ class Req:
     logprob_start_len: int = -1
     input_token_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     input_logprobs_launched: int = 0  # entries a launched pass computes (values may come later)
+    # Structured outputs: while the grammar compiles, a Future of it; then this request's own matcher
+    # (constrained.Grammar), which every sampled token advances. None: unconstrained.
+    grammar: object = None
+    error: str | None = None  # finish_reason "error": why (a grammar that failed to compile)
 
     def __post_init__(self) -> None:
         # A new request has nothing cached and feeds its whole prompt in the first forward (prefill).

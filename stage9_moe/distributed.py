@@ -170,6 +170,13 @@ def min_over_ranks(value: int, control_group) -> int:
     return int(t.item())
 
 
+def max_over_ranks(value: int, control_group) -> int:
+    """The largest of every rank's value: how many grammars every rank takes as compiled (scheduler/grammar.py)."""
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control_group)
+    return int(t.item())
+
+
 def destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -17,6 +17,7 @@ from typing import Iterator, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from .constrained import check_grammar
 from .core import Req, SamplingParams
 from .distributed import SINGLE, TPError, broadcast_object, check_not_importing_main, describe, free_port
 from .engine import check_device
@@ -170,6 +171,7 @@ class LLM:
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an int, got {priority!r}")
+        check_grammar(params)  # a grammar that does not parse is refused now, by name (the server does it too)
         req = Req(self._next_rid, self.encode(prompt), params, priority=priority)
         self.add_req(req)
         self._next_rid += 1
@@ -273,7 +275,7 @@ class LLM:
                         if out.finished:
                             del index_of[out.rid]
                         yield StreamChunk(i, out.text_delta, out.new_token_ids, out.finished, out.finish_reason,
-                                          req=out.req)
+                                          error=out.error, req=out.req)
         finally:  # normal end: nothing left; GeneratorExit or an error: abort what this call started
             for rid in index_of:
                 self.abort_request(rid)

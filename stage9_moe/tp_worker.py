@@ -18,6 +18,10 @@ then an abort keeps the aborted request's pages in rank 0's tree and drops them 
 with that prefix is matched differently, and the ranks' batches no longer have the same shape. At tp 1 the same
 list is applied at the same point: one code path.
 
+Structured outputs (stage 8) keep this shape: every rank compiles the request's grammar and runs its own
+matcher; the same logits give the same mask and the same token on every rank, so no token is broadcast. Only the
+moment a compile finishes differs between ranks, and the ranks agree on it (scheduler/grammar.py).
+
 The alternative shape (rank 0 schedules alone and broadcasts each batch) sends more bytes every step and leaves
 the other ranks unable to run the overlap scheduler or the radix cache on their own; keeping the scheduler
 deterministic is the price of this one (no wall-clock decisions, the same pool size on every rank, the same random
@@ -37,7 +41,7 @@ import torch.distributed as dist
 
 from .core import Req
 from .distributed import (SINGLE, LocalRanks, TPError, TPInfo, broadcast_object, check_in_sync, describe, destroy,
-                          init_process_groups)
+                          init_process_groups, max_over_ranks)
 from .engine import Engine, check_device
 from .scheduler import Scheduler
 from .server_args import ServerArgs
@@ -131,6 +135,8 @@ def build_rank(spec: RankSpec, rank: int, tp: TPInfo = SINGLE, control=None, ver
                           stream_text=rank == 0)
     if args.enable_tp_sync_check and tp.size > 1:
         scheduler.tp_sync_check = functools.partial(check_in_sync, control_group=control)
+    if tp.size > 1:  # the ranks admit a request with a grammar at the same step (scheduler/grammar.py)
+        scheduler.grammars.sync = functools.partial(max_over_ranks, control_group=control)
     return tokenizer, engine, scheduler
 
 

@@ -458,6 +458,37 @@ def test_a_moe_model_served_gives_the_golden_tokens():
             comp = client.completions.create(model="moe", prompt=case["prompt"], temperature=0,
                                              max_tokens=golden["max_new_tokens"])
             assert comp.choices[0].text == case["text"], case["name"]
+        # stage 8's structured outputs, carried: a JSON schema through response_format
+        chat = client.chat.completions.create(model="moe", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=64, temperature=0, response_format={
+                                                  "type": "json_schema",
+                                                  "json_schema": {"name": "flag", "schema": FLAG_SCHEMA}})
+        assert chat.choices[0].finish_reason == "stop"
+        assert isinstance(json.loads(chat.choices[0].message.content)["ok"], bool)
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+FLAG_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+               "additionalProperties": False}
+
+
+def test_structured_outputs_from_a_moe_model():
+    """Stage 8's grammar mask on stage 9's engine: a schema and a regex, greedy and sampled, at tp 1 and 2."""
+    import re
+
+    params = [SamplingParams(max_new_tokens=48, json_schema=FLAG_SCHEMA),
+              SamplingParams(max_new_tokens=48, json_schema=FLAG_SCHEMA, temperature=1.0, seed=1),
+              SamplingParams(max_new_tokens=16, regex=r"(yes|no), [0-9]{3}", temperature=1.0, seed=2),
+              SamplingParams(max_new_tokens=8)]
+    texts = {}
+    for tp in (1, 2):
+        with LLM(str(resolve_model("tiny-qwen3-moe")), tp_size=tp, max_total_tokens=4096,
+                 enable_tp_sync_check=True, verbose=False) as llm:
+            results = llm.generate(["Is it on?"] * len(params), params)
+        assert [r.finish_reason for r in results[:3]] == ["stop"] * 3
+        assert all(isinstance(json.loads(r.text)["ok"], bool) for r in results[:2])
+        assert re.fullmatch(r"(yes|no), [0-9]{3}", results[2].text)
+        texts[tp] = [results[i].text for i in (0, 3)]  # the greedy ones
+    assert texts[2] == texts[1]

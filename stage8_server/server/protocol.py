@@ -3,20 +3,28 @@ onto the engine's SamplingParams names.
 
 The API server checks shape and types here (a string where a number belongs, a field nobody knows, malformed JSON:
 400 naming the field); the tokenizer worker checks every value against the engine (ranges, vocabulary, context).
-Unknown fields are refused rather than ignored: a client that sends `logit_bias` or `tools` learns that this server
-does not do them, instead of getting an answer that silently differs from what it asked for.
+Unknown fields are refused rather than ignored: a client that sends `logit_bias` learns that this server does not
+do it, instead of getting an answer that silently differs from what it asked for.
+
+Structured outputs: `response_format` (json_object, json_schema), SGLang's extra fields `regex` and `ebnf`, and
+`tool_choice` naming a function or "required" all become one grammar, SamplingParams' json_schema, regex or ebnf
+(at most one per request). A tool call is then the constrained output, returned as message.tool_calls
+(ToolCallFormat). tool_choice "auto" is refused: deciding *whether* to call a tool is written in each model's own
+tool-call format (tokens its chat template defines), which this server does not parse.
 
 Two conventions make real clients work without weakening that:
 - `null` means "not set", for every optional field (OpenAI's SDKs and proxies send it): it is
   dropped before validation, so the field takes its default.
 - A value that asks for nothing this server would do differently is accepted and dropped (NO_OPS):
   `store: false`, `tools: []`, `tool_choice: "none"` (with whatever tools: none may be called),
-  `response_format: {"type": "text"}`, and `parallel_tool_calls` once no tools are left. Any other
-  value of those fields is still refused.
+  `response_format: {"type": "text"}`, and `parallel_tool_calls` once no tools are left. Other values of
+  tools, tool_choice and response_format ask for structured output (above); `store: true` is refused.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -81,6 +89,29 @@ class ChatMessage(Strict):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
+class JSONSchemaSpec(Strict):
+    """response_format's json_schema: OpenAI's {name, description, schema, strict}."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")  # `schema` is a pydantic method's name
+    strict: bool | None = None  # the output always follows the schema here, strict or not
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]  # "text" alone is a no-op (dropped)
+    json_schema: JSONSchemaSpec | None = None
+
+    def grammar(self) -> str:
+        """-> SamplingParams.json_schema. json_object: any JSON object (SGLang maps it the same way)."""
+        if self.type == "json_object":
+            return json.dumps({"type": "object"})
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise APIError(400, "response_format of type json_schema needs json_schema.schema", "response_format")
+        return json.dumps(self.json_schema.schema_)
+
+
 class SamplingFields(Strict):
     """What chat and completions share: OpenAI's parameters, then SGLang's extras (sent as extra body fields)."""
 
@@ -100,6 +131,9 @@ class SamplingFields(Strict):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
+    regex: str | None = None  # SGLang's: the output matches this regular expression
+    ebnf: str | None = None  # SGLang's: the output follows this EBNF grammar
 
     @model_validator(mode="before")
     @classmethod
@@ -114,7 +148,22 @@ class SamplingFields(Strict):
                      "repetition_penalty", "stop_token_ids"):
             if getattr(self, name) is not None:
                 params[name] = getattr(self, name)
-        return params
+        return dict(params, **self.grammar_params())
+
+    def grammar_params(self, tool_schema: str | None = None) -> dict:
+        """The request's grammar, as SamplingParams' json_schema / regex / ebnf; at most one may be given."""
+        given = {}  # the request's field name -> (SamplingParams name, text)
+        if self.response_format is not None and self.response_format.type != "text":
+            given["response_format"] = ("json_schema", self.response_format.grammar())
+        if tool_schema is not None:
+            given["tool_choice"] = ("json_schema", tool_schema)
+        for name in ("json_schema", "regex", "ebnf"):
+            if getattr(self, name, None) is not None:
+                given[name] = (name, getattr(self, name))
+        if len(given) > 1:
+            raise APIError(400, f"give at most one of {', '.join(given)}: each asks for its own grammar",
+                           list(given)[1])
+        return dict(given.values())
 
     @property
     def include_usage(self) -> bool:
@@ -127,12 +176,79 @@ class SamplingFields(Strict):
         return self.include_usage and self.stream_options.continuous_usage_stats
 
 
+class FunctionDefinition(Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")  # OpenAI's rule
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments; None: none
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+@dataclass
+class ToolCallFormat:
+    """How a chat output becomes message.tool_calls. name set (tool_choice named it): the output is that
+    function's arguments. None ("required"): a JSON array of {"name", "parameters"} objects, one per call."""
+
+    name: str | None
+    json_schema: str  # the grammar of that output
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["auto", "required"], NamedToolChoice, None] = None  # "none": dropped
+    parallel_tool_calls: bool = True  # "required" with False: exactly one call
+
+    def sampling_params(self, max_new_tokens: int | None) -> dict:
+        params = super().sampling_params(max_new_tokens)
+        tools = self.tool_format()
+        return params if tools is None else dict(params, **self.grammar_params(tools.json_schema))
+
+    def tool_format(self) -> ToolCallFormat | None:
+        """tools + tool_choice -> the grammar of the call(s), or None without tools."""
+        if self.tools is None:
+            if self.tool_choice is not None:
+                raise APIError(400, "tool_choice needs tools", "tool_choice")
+            return None
+        functions = {t.function.name: t.function for t in self.tools}
+        if len(functions) < len(self.tools):
+            raise APIError(400, "tools must have distinct function names", "tools")
+        choice = "auto" if self.tool_choice is None else self.tool_choice
+        if choice == "auto":
+            raise APIError(400, 'tool_choice "auto" (the default with tools) lets the model decide whether to '
+                           "call a tool, in a tool-call format of its own that this server does not parse; "
+                           'send tool_choice "required", or name a function: {"type": "function", '
+                           '"function": {"name": ...}}', "tool_choice")
+        if choice == "required":
+            calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
+                {"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                  "parameters": parameters_schema(f)},
+                 "required": ["name", "parameters"]} for name, f in functions.items()]}}
+            if not self.parallel_tool_calls:
+                calls["maxItems"] = 1
+            return ToolCallFormat(None, json.dumps(calls))
+        function = functions.get(choice.function.name)
+        if function is None:
+            raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                           f"({', '.join(functions)})", "tool_choice")
+        return ToolCallFormat(function.name, json.dumps(parameters_schema(function)))
 
     def max_new_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -145,9 +261,14 @@ class ChatCompletionRequest(SamplingFields):
         return self.logprobs, self.top_logprobs or 0
 
 
+def parameters_schema(function: FunctionDefinition) -> dict:
+    return function.parameters if function.parameters is not None else {"type": "object", "properties": {}}
+
+
 class CompletionRequest(SamplingFields):
     # A string, a list of strings, token ids, or a list of token-id lists: one choice per prompt (times n).
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    json_schema: str | None = None  # SGLang's: the output follows this JSON schema (its text)
     max_tokens: int = Field(16, ge=0)  # OpenAI's default for completions; 0 only with echo
     logprobs: int | None = Field(None, ge=0, le=5)  # how many top tokens per position (OpenAI's legacy shape)
     echo: bool = False  # the prompt first, in the text and (with logprobs) in the logprobs
@@ -193,6 +314,9 @@ class GenerateSamplingParams(Strict):
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] = Field(default_factory=list)
     seed: int | None = None
+    json_schema: str | None = None  # structured outputs: at most one of these three
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class GenerateRequest(Strict):

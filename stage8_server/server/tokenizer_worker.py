@@ -4,7 +4,7 @@
                                       └── a refusal (BatchStrOut with an error) ──▶ API server
 
 Everything the engine would refuse is refused here, before the scheduler sees it, with a message naming the field:
-the sampling parameters (SamplingParams.validate), the prompt's token ids (ints inside the vocabulary), the length
+the sampling parameters (SamplingParams.validate; a grammar must parse), the prompt's token ids (ints inside the vocabulary), the length
 (prompt + max_new_tokens must fit the context, and the KV pool). A request without max_new_tokens
 gets all that is left of the smaller of the two (SGLang's max_req_len, less the prompt). A bad
 request costs the scheduler nothing, and an exception while handling one request (a chat template
@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from ..constrained import check_grammar
 from ..core import SamplingParams
 from ..tokenizer import Tokenizer
 from .messages import (AbortReq, BatchStrOut, BatchTokenizedGenerateReqInput, ControlReq, EngineInfo,
@@ -61,6 +62,7 @@ class TokenizerWorker:
             params["max_new_tokens"] = max_req_len - prompt_len
         try:
             base = SamplingParams(**params)
+            check_grammar(base)  # parsed here, so that a bad schema, regex or grammar is a 400
         except (TypeError, ValueError) as exc:
             raise RequestError(str(exc)) from None
         if prompt_len + base.max_new_tokens > max_req_len:

@@ -37,8 +37,9 @@ results of batch N-1 while N runs, so the device never waits for the CPU's bookk
 A request that N-1 finished (EOS, stop string: unknowable before its token is read) is usually in batch N already:
 its extra token is dropped, and its pages are released only once N completed (no page is reused while a launched
 batch may still write to it). Finishing by max_new_tokens is known at launch, so such a request is not fed again.
-Two cases need the real tokens before building, and drain the pipeline first (process N-1, then build): penalties
-(they read every previous token on the host) and a decode step that must preempt (recompute needs the tokens).
+Three cases need the real tokens before building, and drain the pipeline first (process N-1, then build): penalties
+(they read every previous token on the host), a decode step that must preempt (recompute needs the tokens), and,
+from stage 8, a request with a grammar in flight (its next mask depends on the token N-1 sampled: grammar.py).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from typing import Callable
 
 import torch
 
+from ..constrained import GrammarBackend, apply_grammar_mask
 from ..core import Batch, Req, ReqStatus
 from ..detokenizer import IncrementalDetokenizer
 from ..engine import Engine
@@ -57,6 +59,7 @@ from ..radix_cache import RadixCache
 from ..sampler import logprobs_to_host, sample_tensor, token_logprobs
 from .cache_manager import CacheManager
 from .decode import DecodeManager
+from .grammar import GrammarManager
 from .overlap import DeviceWorker, Pending, StepTiming
 from .prefill import PrefillAdder
 from .prompt_logprobs import prompt_logprob_targets, record_prompt_logprobs, score_prompt
@@ -70,6 +73,7 @@ NEW_TOKEN_RATIO_DECAY_STEPS = 600
 RETRACT_DECODE_STEPS = 20  # after a preemption, assume each survivor decodes this many more tokens
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 LPM_MAX_QUEUE = 128  # longer waiting queues are ordered FCFS: matching each request every step would cost too much
+GRAMMAR_POLL_S = 0.03  # with nothing else to run, wait this long for a grammar to compile (SGLang's poll)
 
 
 @dataclass
@@ -86,6 +90,7 @@ class StepOutput:
     top_logprobs: list[tuple[int, float]] | None = None  # and the top_logprobs_num most likely (token id, logprob)
     # With its first token, a request with logprob_start_len >= 0 gets Req.input_token_logprobs.
     input_token_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    error: str | None = None  # finish_reason "error": why (a grammar that failed to compile)
 
 
 @dataclass
@@ -154,6 +159,9 @@ class Scheduler:
         self.ready_outputs: list[StepOutput] = []  # results read early by a drain, returned by this step
         self.admitted_tokens = self.cached_tokens = 0  # prompt tokens of every admission, and those from the tree
         self.batch_is_full = False  # a waiting request did not fit: no prefill until some request frees pages
+        # Stage 8, structured outputs: requests whose grammar compiles, and every constrained batch's mask.
+        self.grammars = GrammarManager(lambda: GrammarBackend(self.tokenizer.hf, self.engine.config.vocab_size,
+                                                              self.engine.eos_token_ids))
 
     # ---------------------------------------------------------------- requests in and out
     def check_request(self, req: Req) -> None:
@@ -168,6 +176,8 @@ class Scheduler:
                              "max_new_tokens")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        if params.grammar is not None and self.tokenizer is None:
+            raise ValueError("structured outputs (json_schema, regex, ebnf) need a tokenizer")
 
     def add_request(self, req: Req) -> None:
         self.check_request(req)
@@ -180,7 +190,8 @@ class Scheduler:
         if params.seed is not None:
             gen = torch.Generator(device=self.engine.device).manual_seed(params.seed)
         self.generators[req.rid] = gen
-        self.waiting.append(req)
+        if not self.grammars.add(req):  # a request with a grammar waits for it in the grammar queue first
+            self.waiting.append(req)
 
     def abort(self, rid: int) -> None:
         req = self.reqs.get(rid)
@@ -191,6 +202,7 @@ class Scheduler:
             self._finish(req, "abort")
             self.detok.pop(rid, None)
             self.waiting = [r for r in self.waiting if r.rid != rid]
+            self.grammars.remove(req)
             self.decoder.remove_finished()
             if self.chunked is req:
                 self.chunked = None
@@ -214,8 +226,13 @@ class Scheduler:
     def step(self) -> list[StepOutput]:
         self.step_count += 1
         start = time.perf_counter()
-        if self.inflight and any(r.sampling_params.has_penalties for r in self.reqs.values()):
-            self.drain()  # penalties read every earlier token on the host: no placeholders allowed
+        if self.grammars.queue:
+            self.move_ready_grammar_requests()
+        if self.inflight and (any(r.sampling_params.has_penalties for r in self.reqs.values())
+                              or any(r.grammar is not None for b, _, _ in self.inflight for r in b.reqs)):
+            # Penalties read every earlier token on the host, no placeholders allowed; a grammar's next mask
+            # needs its matcher advanced by the token in flight. Those steps run without overlap.
+            self.drain()
         batch, preempted = self.schedule()
         shape = None
         if batch is not None:
@@ -238,6 +255,18 @@ class Scheduler:
         if self.tp_sync_check is not None:
             self.tp_sync_check(self.step_count, (shape, [(o.rid, o.new_token_ids) for o in outputs]))
         return outputs
+
+    def move_ready_grammar_requests(self) -> None:
+        """Requests whose grammar is compiled join the waiting queue; a grammar that failed ends its request."""
+        if not (self.waiting or self.decoder.running or self.inflight or self.chunked):
+            self.grammars.wait(GRAMMAR_POLL_S)  # nothing else to do: sleep on the compile instead of spinning
+        for req in self.grammars.pop_ready():
+            if req.error is None:
+                self.waiting.append(req)
+                continue
+            self._finish(req, "error")
+            self.detok.pop(req.rid, None)
+            self.ready_outputs.append(StepOutput(req.rid, [], "", True, "error", req, error=req.error))
 
     def schedule(self) -> tuple[Batch | None, list[Req]]:
         """Stage 4's choice of the next batch; with overlap, on host state that already counts launched steps."""
@@ -352,6 +381,7 @@ class Scheduler:
         top_k = max((reqs[j].top_logprobs_num for j in want), default=0)
         want_rows = torch.tensor(want, dtype=torch.long, device=engine.device)  # [W]
         logprobs: dict = {}
+        mask = self.grammars.fill_mask(reqs, engine.device)  # stage 8: (bitmask [S, vocab / 32], rows) or None
 
         def device_step() -> torch.Tensor:  # runs on the device worker
             logits = engine.run(fb)  # [B (+ P prompt positions), vocab]
@@ -360,7 +390,9 @@ class Scheduler:
             if not reqs:
                 return torch.empty(0, dtype=torch.long, device=engine.device)
             logits = logits[sel]  # [S, vocab]
-            tokens = sample_tensor(logits, reqs, gens)  # [S], on the device
+            # Structured outputs: a grammar's forbidden tokens -> -inf, on a copy (logprobs stay the model's).
+            scores = logits if mask is None else apply_grammar_mask(logits.clone(), *mask)
+            tokens = sample_tensor(scores, reqs, gens)  # [S], on the device
             engine.future_tokens[rows] = tokens  # the next step's placeholders read them here
             if want:  # read by process() once the step is done, like the tokens
                 logprobs.update(rows=want, values=token_logprobs(logits[want_rows], tokens[want_rows], top_k))
@@ -369,7 +401,7 @@ class Scheduler:
         timing = StepTiming(self.step_count, batch.phase, batch.size, (start, time.perf_counter()))
         # Alive until the step is read back: on CUDA the forward stream reads them after this thread drops them.
         # fb.input_ids is listed on its own because engine.run replaces it with the resolved ids.
-        keep_alive = [fb, fb.input_ids, rows, sel]
+        keep_alive = [fb, fb.input_ids, rows, sel, mask]
         pending = self.worker.submit(device_step)  # without overlap, this runs the step before returning
         pending.timing, pending.keep_alive, pending.logprobs = timing, keep_alive, logprobs
         self.inflight.append((batch, sampled, pending))
@@ -380,6 +412,7 @@ class Scheduler:
             self.drain()
         finally:
             self.worker.shutdown()
+            self.grammars.shutdown()
 
     def drain(self) -> None:
         """Read every launched step now (the pipeline empties; its outputs go out with this step's)."""
@@ -407,7 +440,8 @@ class Scheduler:
             delta = detok.take_delta(final=req.finished) if detok and self.stream_text else ""
             logprob, top = logprobs.get(j, (None, None))
             outputs.append(StepOutput(req.rid, [token_id], delta, req.finished, req.finish_reason, req, logprob,
-                                      top[: req.top_logprobs_num] if top is not None else None))
+                                      top[: req.top_logprobs_num] if top is not None else None,
+                                      error=req.error))
             if index == 0 and req.logprob_start_len >= 0:  # its first token: the prompt is scored
                 outputs[-1].input_token_logprobs = list(req.input_token_logprobs)
         self.decoder.remove_finished()
@@ -427,12 +461,17 @@ class Scheduler:
         params = req.sampling_params
         detok = self.detok.get(req.rid)
         matched_string = detok.add(token_id) if detok else None
-        if token_id in params.stop_token_ids:
+        if req.grammar is not None and not req.grammar.accept_token(token_id):  # the mask makes it impossible
+            req.error = f"token {token_id} does not follow the request's grammar"
+            self._finish(req, "error")
+        elif token_id in params.stop_token_ids:
             self._finish(req, "stop", token_id)
         elif token_id in self.engine.eos_token_ids and not params.ignore_eos:
             self._finish(req, "stop", token_id)
         elif matched_string is not None:
             self._finish(req, "stop", matched_string)
+        elif req.grammar is not None and req.grammar.is_terminated():  # complete, and its stop token taken
+            self._finish(req, "stop", token_id)
         elif (num_output >= params.max_new_tokens
               or len(req.input_ids) + num_output >= self.engine.max_context_len):
             self._finish(req, "length")

@@ -179,7 +179,7 @@ def create_app(ports: PortArgs, served_model_name: str, info: EngineInfo, server
         messages = [m.as_template_input() for m in body.messages]
         handle = await client_of(request).generate([{"messages": messages}], params, body.n, return_logprob, top)
         builder = ChatBuilder(served_model_name, len(handle.index), body.n, body.include_usage,
-                              return_logprob, body.continuous_usage)
+                              return_logprob, body.continuous_usage, tool_format=body.tool_format())
         return await respond(request, handle, builder, body.stream)
 
     @app.post("/v1/completions")

@@ -7,15 +7,22 @@ it had (OpenAI's convention), and sums completion tokens over all choices; cache
 same prompts once, so it never exceeds prompt_tokens: what the radix cache held of each prompt when
 its first copy arrived. (The other copies then take that prompt from the cache too:
 GET /get_server_info counts those, in prompt_tokens_cached.)
+
+A chat request with a tool_choice (protocol.ToolCallFormat) answers with message.tool_calls instead of content,
+and finish_reason "tool_calls" once the grammar is complete. Streamed, a named function's arguments go out as
+they are generated (OpenAI's deltas: the id and name first, then pieces of the arguments); "required" output is
+a JSON array whose calls are known only at its end, so they go out whole, in the last chunk before the finish.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field, replace
 
 from .messages import ReqOutput, TokenLogprob
+from .protocol import ToolCallFormat
 
 
 @dataclass
@@ -31,6 +38,7 @@ class Choice:
     text_offset: int = 0  # completions' logprobs: where the next token's text starts
     offsets: list[int] = field(default_factory=list)  # completions' logprobs: each text_offset
     started: bool = False  # chat streaming: the chunk with the role was sent
+    tool_call_id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")  # a named call's id
 
 
 class ResponseBuilder:
@@ -78,7 +86,13 @@ class ResponseBuilder:
 class ChatBuilder(ResponseBuilder):
     id_prefix, chunk_object = "chatcmpl", "chat.completion.chunk"
 
+    def __init__(self, *args, tool_format: ToolCallFormat | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tool_format = tool_format
+
     def stream_chunks(self, index: int, out: ReqOutput) -> list[dict]:
+        if self.tool_format is not None:
+            return self.tool_chunks(index, out)
         ch = self.add(index, out)
         chunks = []
         if not ch.started:
@@ -102,11 +116,66 @@ class ChatBuilder(ResponseBuilder):
                             for t in logprobs or []]}
 
     def response(self) -> dict:
+        choices = []
+        for i, c in enumerate(self.choices):
+            message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            calls = self.tool_calls(c) if self.tool_format is not None else None
+            if calls is not None:
+                message, finish_reason = {"role": "assistant", "content": None, "tool_calls": calls}, \
+                    self.tool_finish_reason(c)
+            choices.append({"index": i, "message": message, "logprobs": self.logprobs(c.logprobs),
+                            "finish_reason": finish_reason, "matched_stop": c.matched_stop})
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason,
-                             "matched_stop": c.matched_stop} for i, c in enumerate(self.choices)],
-                "usage": self.usage()}
+                "choices": choices, "usage": self.usage()}
+
+    # ---------------------------------------------------------------- tool calls
+    def tool_calls(self, ch: Choice) -> list[dict] | None:
+        """The choice's output as OpenAI tool calls. A named function's arguments are the output itself (cut
+        short by max_tokens, they are returned so, with finish_reason "length", as OpenAI does); "required"
+        output is parsed, and is None (plain content) if it is not a complete JSON array."""
+        if self.tool_format.name is not None:
+            return [tool_call(ch.tool_call_id, self.tool_format.name, ch.text)]
+        try:
+            calls = json.loads(ch.text)
+        except ValueError:
+            return None
+        return [tool_call(f"call_{uuid.uuid4().hex[:24]}", c["name"], json.dumps(c["parameters"]))
+                for c in calls]
+
+    @staticmethod
+    def tool_finish_reason(ch: Choice) -> str | None:
+        return "tool_calls" if ch.finish_reason == "stop" else ch.finish_reason
+
+    def tool_chunks(self, index: int, out: ReqOutput) -> list[dict]:
+        ch = self.add(index, out)
+        delta = lambda d: self.chunk([{"index": index, "delta": d, "logprobs": None,  # noqa: E731
+                                       "finish_reason": None}])
+        named, chunks = self.tool_format.name is not None, []
+        if not ch.started:
+            ch.started = True
+            first = {"role": "assistant", "content": None}
+            if named:  # the id and name now, the arguments as they come
+                first["tool_calls"] = [dict(tool_call(ch.tool_call_id, self.tool_format.name, ""), index=0)]
+            chunks.append(delta(first))
+        if named and out.text:
+            chunks.append(delta({"tool_calls": [{"index": 0, "function": {"arguments": out.text}}]}))
+        if not out.finished:
+            return chunks
+        finish_reason = self.tool_finish_reason(ch)
+        if not named:
+            calls = self.tool_calls(ch)
+            if calls is None:  # not a complete array (max_tokens): what there is, as content
+                chunks.append(delta({"content": ch.text}))
+                finish_reason = ch.finish_reason
+            else:
+                chunks.append(delta({"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]}))
+        chunks.append(self.chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason,
+                                   "matched_stop": ch.matched_stop}]))
+        return chunks
+
+
+def tool_call(call_id: str, name: str, arguments: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 class CompletionBuilder(ResponseBuilder):

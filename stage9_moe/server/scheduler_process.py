@@ -111,6 +111,10 @@ class SchedulerLoop:
 
     def to_message(self, out: StepOutput) -> ReqOutput:
         req = out.req
+        if out.error is not None:  # a grammar that did not compile: the client gets a 400 with the reason
+            self.unannounced.discard(out.rid)
+            self.prompt_texts.pop(out.rid, None)
+            return error_output(out.rid, out.error)
         msg = ReqOutput(out.rid, out.new_token_ids, out.finished, out.finish_reason, req.matched_stop,
                         len(req.input_ids), req.cached_tokens)
         if out.rid in self.unannounced:
