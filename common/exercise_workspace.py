@@ -1,0 +1,160 @@
+"""A learner's copy of a stage, and the source surgery behind it: stub a function, put the reference back.
+
+Functions are found by name in the parsed source (`ast`), never by line number, so a reformatted engine file
+stubs the same way. A stubbed function keeps its decorators, signature and docstring; the rest of its body
+becomes one `raise NotImplementedError("exercise N.name: ...")` carrying the hint. The engine's own files carry
+no exercise markers: the catalogue (common/exercise_tasks.py) says what to stub.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import shutil
+import textwrap
+from pathlib import Path
+
+STUB_PREFIX = "exercise "  # every stub's message starts "exercise N.name:"
+WIDTH = 100  # the course's line length
+COPY_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.ipynb", "figures", "README.md")
+
+
+class SourceError(ValueError):
+    """A symbol is not where the catalogue says, or a file does not parse."""
+
+
+def find_def(tree: ast.Module, qualname: str) -> ast.FunctionDef | ast.AsyncFunctionDef:
+    """The def of `function` or `Class.method` (nested classes: `A.B.method`) at module level."""
+    body, node = tree.body, None
+    for part in qualname.split("."):
+        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     and n.name == part), None)
+        if node is None:
+            raise SourceError(f"no {qualname!r} here ({part!r} not found)")
+        body = node.body
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        raise SourceError(f"{qualname!r} is a class, not a function")
+    return node
+
+
+def parse(source: str, where: str = "<source>") -> ast.Module:
+    try:
+        return ast.parse(source)
+    except SyntaxError as e:
+        raise SourceError(f"{where}:{e.lineno}: does not parse ({e.msg})") from None
+
+
+def _docstring_end(node) -> int | None:
+    first = node.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        return first.end_lineno
+    return None
+
+
+def body_lines(lines: list[str], node) -> tuple[int, int]:
+    """1-based (first, last) lines of the body after the docstring, with the comments that open it."""
+    doc_end = _docstring_end(node)
+    if doc_end is not None:
+        if len(node.body) == 1:
+            return doc_end + 1, doc_end  # docstring only: nothing to remove
+        return doc_end + 1, node.end_lineno
+    first = node.body[0].lineno
+    if first == node.lineno:
+        raise SourceError(f"{node.name}: a one-line def cannot be stubbed")
+    while first - 1 > node.lineno and _opens_body(lines[first - 2]):
+        first -= 1  # comment lines between the signature and the first statement go with the body
+    return first, node.end_lineno
+
+
+def _opens_body(line: str) -> bool:
+    return not line.strip() or line.strip().startswith("#")
+
+
+def def_lines(node) -> tuple[int, int]:
+    """1-based (first, last) lines of the whole definition, decorators included."""
+    start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    return start, node.end_lineno
+
+
+def _literal(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def raise_lines(indent: str, message: str) -> list[str]:
+    """`raise NotImplementedError(` + the message as adjacent string literals within WIDTH columns + `)`."""
+    inner = indent + "    "
+    chunks = textwrap.wrap(message, WIDTH - len(inner) - 3, break_long_words=True, break_on_hyphens=False)
+    literals = [_literal(c + (" " if i < len(chunks) - 1 else "")) for i, c in enumerate(chunks)]
+    return [f"{indent}raise NotImplementedError(\n"] + [f"{inner}{lit}\n" for lit in literals] + [f"{indent})\n"]
+
+
+def stub_source(source: str, messages: dict[str, str], where: str = "<source>") -> str:
+    """`source` with each function of `messages` (qualname -> hint) stubbed."""
+    tree = parse(source, where)
+    lines = source.splitlines(keepends=True)
+    edits = []
+    for qualname, message in messages.items():
+        node = find_def(tree, qualname)
+        first, last = body_lines(lines, node)
+        body = node.body[1] if _docstring_end(node) is not None else node.body[0]
+        indent = lines[body.lineno - 1][: body.col_offset]
+        edits.append((first, last, raise_lines(indent, message)))
+    for first, last, new in sorted(edits, reverse=True):  # bottom up: earlier line numbers stay valid
+        lines[first - 1 : last] = new
+    out = "".join(lines)
+    parse(out, where)  # a stub must never break the file
+    return out
+
+
+def def_source(source: str, qualname: str, where: str = "<source>") -> str:
+    """The text of one definition, decorators included, as it stands in `source`."""
+    node = find_def(parse(source, where), qualname)
+    first, last = def_lines(node)
+    return "".join(source.splitlines(keepends=True)[first - 1 : last])
+
+
+def replace_defs(source: str, reference: str, qualnames: list[str], where: str = "<source>") -> str:
+    """`source` with the definitions named replaced by their text in `reference` (a reset)."""
+    tree, ref_tree = parse(source, where), parse(reference, "reference")
+    lines, ref_lines = source.splitlines(keepends=True), reference.splitlines(keepends=True)
+    edits = []
+    for qualname in qualnames:
+        first, last = def_lines(find_def(tree, qualname))
+        ref_first, ref_last = def_lines(find_def(ref_tree, qualname))
+        edits.append((first, last, ref_lines[ref_first - 1 : ref_last]))
+    for first, last, new in sorted(edits, reverse=True):
+        lines[first - 1 : last] = new
+    out = "".join(lines)
+    parse(out, where)
+    return out
+
+
+def is_stub(source: str, qualname: str) -> bool:
+    """The function's body is still an exercise stub (a raise of NotImplementedError("exercise ..."))."""
+    node = find_def(parse(source), qualname)
+    body = node.body[1:] if _docstring_end(node) is not None else node.body
+    if len(body) != 1 or not isinstance(body[0], ast.Raise) or not isinstance(body[0].exc, ast.Call):
+        return False
+    args = body[0].exc.args
+    return (getattr(body[0].exc.func, "id", None) == "NotImplementedError" and len(args) == 1
+            and isinstance(args[0], ast.Constant) and str(args[0].value).startswith(STUB_PREFIX))
+
+
+def digest(source: str, qualnames: list[str]) -> str:
+    """A fingerprint of the named definitions: tells whether they changed since the last check."""
+    h = hashlib.sha256()
+    for qualname in qualnames:
+        try:
+            h.update(def_source(source, qualname).encode())
+        except SourceError as e:
+            h.update(str(e).encode())
+    return h.hexdigest()[:16]
+
+
+def copy_package(src: Path, dst: Path) -> None:
+    """The stage package's code, without notebooks, figures, READMEs or caches (those stay in the course)."""
+    shutil.copytree(src, dst, ignore=COPY_IGNORE)
+
+
+def stub_file(path: Path, messages: dict[str, str]) -> None:
+    path.write_text(stub_source(path.read_text(encoding="utf-8"), messages, str(path)), encoding="utf-8")

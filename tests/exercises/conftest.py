@@ -1,0 +1,166 @@
+"""How the exercise tests find the code they test, and report on it.
+
+Each test module names its stage (`STAGE = "stage6_radix"`) and takes the `stage` fixture: that package, imported
+from where this run says, and checked to come from there:
+
+- SGLZ_EXERCISE_ROOT=<folder>: a learner's workspace (`python -m common.exercises check`); its copy of the stage
+  is put first on sys.path, so `import stage6_radix` finds the learner's code, not the reference.
+- neither variable: the reference package of this checkout.
+- SGLZ_EXERCISE_PROOF=<folder>: every test runs twice, on the reference (it must pass) and on a copy of the stage
+  in which only its own task is stubbed (it must fail: `xfail(strict=True)`, so a test that passes on a stub
+  fails the run). tests/test_exercises.py runs this.
+
+SGLZ_EXERCISE_TASKS=6.insert_split,6.evict runs only those tasks' tests; SGLZ_EXERCISE_REPORT=<file.json> writes
+every test's outcome and first failure there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKSPACE = os.environ.get("SGLZ_EXERCISE_ROOT")
+PROOF = os.environ.get("SGLZ_EXERCISE_PROOF")
+TASKS = {t for t in os.environ.get("SGLZ_EXERCISE_TASKS", "").split(",") if t}
+REPORT = os.environ.get("SGLZ_EXERCISE_REPORT")
+
+if WORKSPACE:  # before any test module runs: `import stageN_x` must find the learner's copy
+    sys.path.insert(0, str(Path(WORKSPACE).resolve()))
+if PROOF:
+    sys.path.insert(0, str(Path(PROOF).resolve()))
+
+
+class Stage:
+    """A stage package: `stage.radix_cache.RadixCache`, `stage.LLM`; submodules are imported on first use."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name: str):
+        mod = self._module
+        if hasattr(mod, "__path__"):
+            full = f"{mod.__name__}.{name}"
+            if full in sys.modules or importlib.util.find_spec(full) is not None:
+                return Stage(importlib.import_module(full))
+        return getattr(mod, name)
+
+    def __repr__(self) -> str:
+        return f"Stage({self._module.__name__} from {self._module.__file__})"
+
+
+def task_of(item) -> str | None:
+    mark = item.get_closest_marker("task")
+    return mark.args[0] if mark else None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "task(id): the exercise task this test checks, e.g. task('6.evict')")
+
+
+def pytest_report_header(config):
+    where = WORKSPACE or ("reference and stubbed copies" if PROOF else "the reference stages")
+    return f"exercises: testing {where}"
+
+
+def pytest_generate_tests(metafunc):
+    if PROOF and "stage" in metafunc.fixturenames:
+        metafunc.parametrize("variant", ["reference", "stub"])
+
+
+def pytest_collection_modifyitems(config, items):
+    selected, deselected = [], []
+    for item in items:
+        task = task_of(item)
+        if task is None:
+            raise pytest.UsageError(f"{item.nodeid} has no @pytest.mark.task(...)")
+        item.user_properties.append(("task", task))
+        variant = getattr(item, "callspec", None) and item.callspec.params.get("variant")
+        item.user_properties.append(("variant", variant or "reference"))
+        if variant == "stub":
+            item.add_marker(pytest.mark.xfail(strict=True, reason=f"the stub of {task} must fail this test"))
+        (selected if not TASKS or task in TASKS else deselected).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
+
+
+@pytest.fixture
+def variant() -> str:
+    return "reference"
+
+
+_built: dict[str, str] = {}
+
+
+def stub_package(stage_name: str, task_id: str) -> str:
+    """A copy of the reference stage, importable as `<stage>__<task>`, with only that task stubbed."""
+    from common import exercises
+
+    name = f"{stage_name}__{task_id.split('.', 1)[1]}"
+    if name not in _built:
+        exercises.make_copy(ROOT / stage_name, Path(PROOF) / name, [exercises.task(task_id)])
+        _built[name] = name
+    return name
+
+
+@pytest.fixture
+def stage(request, variant) -> Stage:
+    name = request.module.STAGE
+    if variant == "stub":
+        name = stub_package(name, task_of(request.node))
+        expected = Path(PROOF).resolve() / name
+    elif WORKSPACE:
+        expected = Path(WORKSPACE).resolve() / name
+    else:
+        expected = ROOT / name
+    module = importlib.import_module(name)
+    here = Path(module.__file__).resolve().parent
+    assert here == expected, f"{name} was imported from {here}, not from {expected}"
+    return Stage(module)
+
+
+_memo: dict[tuple, object] = {}
+
+
+@pytest.fixture
+def memo(stage):
+    """memo(key, make): make() once per stage package (an engine on a tiny model, say), reused by later tests."""
+    def get(key, make):
+        k = (stage._module.__name__, key)
+        if k not in _memo:
+            while len(_memo) >= 4:  # a proof run alternates many packages: keep only the latest few
+                _memo.pop(next(iter(_memo)))
+            _memo[k] = make()
+        return _memo[k]
+    return get
+
+
+# ---------------------------------------------------------------- the report `check` reads
+_outcomes: dict[str, dict] = {}
+
+
+def pytest_runtest_logreport(report):
+    props = dict(report.user_properties)
+    entry = _outcomes.setdefault(report.nodeid, {"test": report.nodeid, "task": props.get("task"),
+                                                 "variant": props.get("variant"), "outcome": "passed"})
+    if report.failed and entry["outcome"] == "passed":
+        crash = getattr(report.longrepr, "reprcrash", None)
+        entry["outcome"] = "failed"
+        entry["message"] = crash.message if crash else str(report.longrepr)[-2000:]
+        entry["location"] = f"{Path(crash.path).name}:{crash.lineno}" if crash else None
+    elif report.skipped and hasattr(report, "wasxfail"):
+        entry["outcome"] = "xfailed"
+    elif report.skipped and entry["outcome"] == "passed":
+        entry["outcome"] = "skipped"
+
+
+def pytest_sessionfinish(session):
+    if REPORT:
+        Path(REPORT).write_text(json.dumps(list(_outcomes.values()), indent=1))
