@@ -37,17 +37,18 @@ TASKS = [
         "(positions cached_len .. device_len-1) is now cached, the token joins output_ids, and the next "
         "pass feeds exactly that one token (extend_len == 1). Returns nothing."},
         "record one forward pass in a request's bookkeeping", "Follow one request"),
-    Task("1.kv_cache_append", "kv_cache.py", {
-        "StaticKVCache.update": "receives layer_id and this pass's k, v [T, KVH, D]; writes them in place at "
-        "rows seq_len .. seq_len+T-1 of that layer and returns (k_all, v_all) [seq_len+T, KVH, D], views, "
-        "not copies. seq_len advances once per pass, after the last layer wrote (every layer of a pass "
-        "writes at the same rows). More rows than max_len: RuntimeError('KV cache full ...')."},
-        "append a pass's K/V to the preallocated cache, in place", "The KV cache, and why preallocate"),
     Task("1.causal_attention", "layers.py", {
         "causal_attention": "receives q [T, H, D] for the T new tokens and k, v [S, KVH, D] for all S cached "
         "tokens, the new ones last; returns softmax(q k^T / sqrt(D)) v, [T, H, D]. Query t (at position "
         "S-T+t) sees keys 0 .. S-T+t, never a later one. GQA: each K/V head serves H // KVH query heads."},
         "attention of the new tokens over the cache, causal", "Follow one request"),
+    Task("1.kv_cache_append", "kv_cache.py", {
+        "StaticKVCache.update": "receives layer_id and this pass's k, v [T, KVH, D]; writes them in place at "
+        "rows seq_len .. seq_len+T-1 of that layer and returns (k_all, v_all) [seq_len+T, KVH, D], views, "
+        "not copies. seq_len advances once per pass, after the last layer wrote (every layer of a pass "
+        "writes at the same rows). More rows than max_len: RuntimeError('KV cache full ...')."},
+        "append a pass's K/V to the preallocated cache, in place", "The KV cache, and why preallocate",
+        needs=("1.causal_attention",)),
     Task("1.decode_loop", "engine.py", {
         "Engine.generate": "receives a new Req; returns it finished. Check the prompt fits, make a KV cache "
         "(new_kv_cache), prefill once, then loop: sample (sampler.sample, with a torch.Generator seeded "
@@ -90,6 +91,19 @@ TASKS = [
         "= (first row, rows)) with copy_into, which checks the shape. An unknown shard_id: ValueError "
         "naming it."},
         "load q/k/v (or gate/up) checkpoint tensors into one stacked weight", "Merged linears"),
+    Task("3.rope_scaling", "layers.py", {
+        "rope_inv_freq": "receives head_dim, theta and a RopeScaling; returns float32 [D/2] rotation speeds "
+        "1 / theta^(2i/D) (transformers' formulas exactly). 'linear' divides all by factor; 'llama3' "
+        "keeps pairs whose wavelength 2*pi/inv_freq is below orig/high_freq_factor, divides those above "
+        "orig/low_freq_factor by factor, and blends linearly (in orig/wavelen) in between."},
+        "RoPE frequencies, with linear and llama3 scaling for long context",
+        "`config.json` → `ModelConfig`"),
+    Task("3.rope", "layers.py", {
+        "RotaryEmbedding.forward": "receives positions [N] and q [N, H, D], k [N, KVH, D]; returns both "
+        "rotated: each pair (x_i, x_{i+D/2}) turns by the angle position * inv_freq[i]. Angles in "
+        "float32 (self.inv_freq), cos/sin cast to q's dtype. A position-0 token is unchanged, and q.k "
+        "then depends only on the distance between two positions."},
+        "rotary position embedding of q and k", "One decoder, four families", needs=("3.rope_scaling",)),
     Task("3.name_mapping", "weights.py", {
         "map_name": "receives the model and a checkpoint tensor name; returns (our parameter name, "
         "shard_id) using model.stacked_params_mapping, a list of (param fragment, checkpoint fragment, "
@@ -98,20 +112,7 @@ TASKS = [
         "every piece the checkpoint must provide: a stacked parameter needs one per shard, any other "
         "parameter one piece with shard_id None. The loader refuses a checkpoint that misses one."},
         "map checkpoint names onto merged parameters and list what must be loaded",
-        "The loader (`weights.py`)"),
-    Task("3.rope", "layers.py", {
-        "RotaryEmbedding.forward": "receives positions [N] and q [N, H, D], k [N, KVH, D]; returns both "
-        "rotated: each pair (x_i, x_{i+D/2}) turns by the angle position * inv_freq[i]. Angles in "
-        "float32 (self.inv_freq), cos/sin cast to q's dtype. A position-0 token is unchanged, and q.k "
-        "then depends only on the distance between two positions."},
-        "rotary position embedding of q and k", "One decoder, four families"),
-    Task("3.rope_scaling", "layers.py", {
-        "rope_inv_freq": "receives head_dim, theta and a RopeScaling; returns float32 [D/2] rotation speeds "
-        "1 / theta^(2i/D) (transformers' formulas exactly). 'linear' divides all by factor; 'llama3' "
-        "keeps pairs whose wavelength 2*pi/inv_freq is below orig/high_freq_factor, divides those above "
-        "orig/low_freq_factor by factor, and blends linearly (in orig/wavelen) in between."},
-        "RoPE frequencies, with linear and llama3 scaling for long context",
-        "`config.json` → `ModelConfig`"),
+        "The loader (`weights.py`)", needs=("3.merged_linear_loader", "3.rope_scaling")),
     # ---------------------------------------------------------------- stage 4: pages, admission, preemption
     Task("4.page_allocation", "scheduler/cache_manager.py", {
         "CacheManager.grow": "receives a request holding a page-table row and a token count; gives it pages "

@@ -6,9 +6,10 @@ from where this run says, and checked to come from there:
 - SGLZ_EXERCISE_ROOT=<folder>: a learner's workspace (`python -m common.exercises check`); its copy of the stage
   is put first on sys.path, so `import stage6_radix` finds the learner's code, not the reference.
 - neither variable: the reference package of this checkout.
-- SGLZ_EXERCISE_PROOF=<folder>: every test runs twice, on the reference (it must pass) and on a copy of the stage
-  in which only its own task is stubbed (it must fail: `xfail(strict=True)`, so a test that passes on a stub
-  fails the run). tests/test_exercises.py runs this.
+- SGLZ_EXERCISE_PROOF=<folder>: every test runs three times: on the reference (it must pass), on a copy of the
+  stage in which only its own task is stubbed, and on one with all the stage's tasks stubbed, as `start N` makes
+  it (both must fail: `xfail(strict=True)`, so a test that passes on a stub fails the run).
+  tests/test_exercises.py runs this.
 
 SGLZ_EXERCISE_TASKS=6.insert_split,6.evict runs only those tasks' tests; SGLZ_EXERCISE_REPORT=<file.json> writes
 every test's outcome and first failure there.
@@ -71,7 +72,7 @@ def pytest_report_header(config):
 
 def pytest_generate_tests(metafunc):
     if PROOF and "stage" in metafunc.fixturenames:
-        metafunc.parametrize("variant", ["reference", "stub"])
+        metafunc.parametrize("variant", ["reference", "stub", "all"])
 
 
 def pytest_collection_modifyitems(config, items):
@@ -83,7 +84,7 @@ def pytest_collection_modifyitems(config, items):
         item.user_properties.append(("task", task))
         variant = getattr(item, "callspec", None) and item.callspec.params.get("variant")
         item.user_properties.append(("variant", variant or "reference"))
-        if variant == "stub":
+        if variant in ("stub", "all"):
             item.add_marker(pytest.mark.xfail(strict=True, reason=f"the stub of {task} must fail this test"))
         (selected if not TASKS or task in TASKS else deselected).append(item)
     if deselected:
@@ -99,13 +100,16 @@ def variant() -> str:
 _built: dict[str, str] = {}
 
 
-def stub_package(stage_name: str, task_id: str) -> str:
-    """A copy of the reference stage, importable as `<stage>__<task>`, with only that task stubbed."""
+def stub_package(stage_name: str, task_id: str, every_task: bool) -> str:
+    """A copy of the reference stage, importable as `<stage>__<task>`, with only that task stubbed (or, as
+    `<stage>__all`, every task of the stage)."""
     from common import exercises
 
-    name = f"{stage_name}__{task_id.split('.', 1)[1]}"
+    task = exercises.task(task_id)
+    name = f"{stage_name}__{'all' if every_task else task.name}"
     if name not in _built:
-        exercises.make_copy(ROOT / stage_name, Path(PROOF) / name, [exercises.task(task_id)])
+        tasks = exercises.stage_tasks(task.stage) if every_task else [task]
+        exercises.make_copy(ROOT / stage_name, Path(PROOF) / name, tasks)
         _built[name] = name
     return name
 
@@ -113,8 +117,8 @@ def stub_package(stage_name: str, task_id: str) -> str:
 @pytest.fixture
 def stage(request, variant) -> Stage:
     name = request.module.STAGE
-    if variant == "stub":
-        name = stub_package(name, task_of(request.node))
+    if variant in ("stub", "all"):
+        name = stub_package(name, task_of(request.node), every_task=variant == "all")
         expected = Path(PROOF).resolve() / name
     elif WORKSPACE:
         expected = Path(WORKSPACE).resolve() / name
@@ -150,15 +154,23 @@ def pytest_runtest_logreport(report):
     props = dict(report.user_properties)
     entry = _outcomes.setdefault(report.nodeid, {"test": report.nodeid, "task": props.get("task"),
                                                  "variant": props.get("variant"), "outcome": "passed"})
-    if report.failed and entry["outcome"] == "passed":
+    xfailed = report.skipped and hasattr(report, "wasxfail")
+    if (report.failed or xfailed) and entry["outcome"] == "passed":
         crash = getattr(report.longrepr, "reprcrash", None)
-        entry["outcome"] = "failed"
+        entry["outcome"] = "xfailed" if xfailed else "failed"
         entry["message"] = crash.message if crash else str(report.longrepr)[-2000:]
-        entry["location"] = f"{Path(crash.path).name}:{crash.lineno}" if crash else None
-    elif report.skipped and hasattr(report, "wasxfail"):
-        entry["outcome"] = "xfailed"
+        entry["location"] = failing_line(report)
     elif report.skipped and entry["outcome"] == "passed":
         entry["outcome"] = "skipped"
+
+
+def failing_line(report) -> str | None:
+    """file:line of the test's own line that failed (the assert, or the call into the code under test)."""
+    entries = getattr(getattr(report.longrepr, "reprtraceback", None), "reprentries", [])
+    test_file = report.location[0].rsplit("/", 1)[-1]
+    lines = [e.reprfileloc for e in entries if getattr(e, "reprfileloc", None)
+             and e.reprfileloc.path.endswith(test_file)]
+    return f"{test_file}:{lines[-1].lineno}" if lines else None
 
 
 def pytest_sessionfinish(session):
