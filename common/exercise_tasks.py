@@ -198,7 +198,8 @@ TASKS = [
         "recently used first (_pop_lru_leaf), until at least num_tokens are gone or none is left; a "
         "parent left childless and unlocked becomes evictable in turn (_update_leaf_status). Returns the "
         "freed KV slots (int64), for the caller's allocator."},
-        "free cached tokens, least recently used leaves first", "The tree", needs=("6.insert_split",)),
+        "free cached tokens, least recently used leaves first", "The tree",
+        needs=("6.insert_split", "6.lock_ref")),
     # ---------------------------------------------------------------- stage 7: tensor parallelism
     Task("7.column_parallel", "layers.py", {
         "ColumnParallelLinear.weight_loader": "receives this rank's parameter and the full checkpoint "
@@ -278,7 +279,7 @@ TASKS = [
         "(x[t]), expert_e(x) = W2_e (silu(gate_e x) * up_e x). One expert at a time: gather its tokens, "
         "SwiGLU, index_add_ the weighted rows."},
         "the mixture-of-experts layer as a loop over experts",
-        "Two paths: the reference loop and the fused kernels", needs=("9.topk_routing",)),
+        "Two paths: the reference loop and the fused kernels"),
     Task("9.expert_weight_loader", "moe.py", {
         "FusedMoE.weight_loader": "receives w13_weight or w2_weight, a checkpoint tensor and shard_id "
         "(expert id or None for all, 'w1' gate | 'w3' up | 'w13' both | 'w2' down); refuses a shape other "
