@@ -114,6 +114,14 @@ class Workspace:
     def reference(self, t: Task) -> str:
         return (self.stage.path / t.file).read_text(encoding="utf-8")
 
+    def stale_files(self, state: dict) -> list[str]:
+        """Files without a started task that differ from the course's stage (it changed since `start`)."""
+        mine = {BY_ID[i].file for i in state["started"]}
+        return [rel_path for path in sorted(self.stage.path.rglob("*.py"))
+                if "__pycache__" not in path.parts
+                and (rel_path := str(path.relative_to(self.stage.path))) not in mine
+                and (not (self.pkg / rel_path).is_file() or (self.pkg / rel_path).read_bytes() != path.read_bytes())]
+
     def status(self, t: Task, state: dict) -> str:
         if not self.exists or t.id not in state["started"]:
             return "not started"
@@ -222,6 +230,17 @@ def summarize(tasks: list[Task], outcomes: list[dict]) -> list[dict]:
     return results
 
 
+def describe_failure(message: str, task_id: str, indent: str = "        ") -> str:
+    """The first failure, wrapped; a stub of another task is named instead of quoting its whole hint."""
+    other = BLOCKED.match(message.removeprefix("NotImplementedError: "))
+    if other and other.group(1) != task_id:
+        return f"{indent}it calls {other.group(1)}, still a stub: write that task first"
+    lines = []
+    for line in message.splitlines()[:15]:
+        lines += textwrap.wrap(line, 100 - len(indent), subsequent_indent="  ") or [""]
+    return "\n".join(indent + line for line in lines)
+
+
 def cmd_check(args) -> int:
     stage = stage_of(args.stage)
     w = Workspace(workspace_base(args), stage)
@@ -237,17 +256,21 @@ def cmd_check(args) -> int:
             state["results"][t.id] = {"passed": r["passed"], "digest": ws.digest(w.source(t), list(t.symbols))}
         w.save(state)
     passed = sum(r["passed"] for r in results)
+    stale = [] if args.reference else w.stale_files(state)
+    if stale and not args.json:
+        print(f"note: {', '.join(stale[:4])}{' ...' if len(stale) > 4 else ''} in your copy differ from "
+              f"{stage.name}/ (the course changed since `start`?): `start {stage.number} --force` makes a new copy")
     if args.json:
         print(json.dumps({"stage": stage.number, "code": "reference" if args.reference else str(w.pkg),
-                          "passed": passed, "total": len(results), "tasks": results}, indent=1))
+                          "passed": passed, "total": len(results), "tasks": results, "stale_files": stale},
+                         indent=1))
     else:
         for r in results:
-            print(f"{'PASS' if r['passed'] else 'FAIL'}  {r['id']}  ({r['tests']} tests)")
+            print(f"{'PASS' if r['passed'] else 'FAIL'}  {r['id']}  ({r['tests']} tests"
+                  + (f", {len(r['failed'])} failed)" if r["failed"] else ")"))
             for f in r["failed"][:1]:
-                message = "\n        ".join((f["message"] or "").splitlines()[:12])
-                print(f"      {f['test']} ({f['location']}):\n        {message}")
-            if r["blocked_by"]:
-                print(f"      (it calls the stub of {', '.join(r['blocked_by'])}: write that first)")
+                print(f"      {f['test']} ({f['location']}):")
+                print(describe_failure(f["message"] or "", r["id"]))
         print(f"{passed}/{len(results)} tasks pass")
     return 0 if passed == len(results) else 1
 
@@ -261,9 +284,10 @@ def cmd_hint(args) -> int:
         for qualname, hint in t.symbols.items():
             node = ws.find_def(ws.parse(reference), qualname)
             first, _ = ws.def_lines(node)
-            head_end = (ws.body_lines(reference.splitlines(), node)[0]) - 1
-            print("\n" + "".join(reference.splitlines(keepends=True)[first - 1 : head_end]).rstrip())
-            print("    # " + "\n    # ".join(textwrap.wrap(hint, 90)))
+            head_end = ws.body_lines(reference.splitlines(), node)[0] - 1
+            print(f"\n  {qualname}:\n" + "".join(reference.splitlines(keepends=True)[first - 1 : head_end]).rstrip())
+            indent = " " * (node.col_offset + 4)
+            print("\n".join(f"{indent}# {line}" for line in textwrap.wrap(hint, 96 - len(indent))))
         if t.needs:
             print(f"\n  its tests also run: {', '.join(t.needs)}")
         print(f"  tests: tests/exercises/stage{stage.number}.py: {', '.join(tests.get(t.id, []))}\n")
@@ -304,11 +328,11 @@ def cmd_readme(args) -> int:
 
 def readme_section(number: int) -> str:
     """The `## Exercises` section of a stage README, made from the catalogue (a test keeps them equal)."""
-    lines = ["## Exercises", "",
-             f"Write this stage's key functions yourself: `python -m common.exercises start {number}` copies the "
-             f"stage to `exercises/` with these bodies replaced by a hint, `check {number}` runs their tests "
-             "(see [COURSE.md](../COURSE.md)).", "",
-             "| task | write | goal |", "|---|---|---|"]
+    intro = (f"Write this stage's key functions yourself: `python -m common.exercises start {number}` copies the "
+             f"stage to `exercises/` with the bodies below replaced by a hint, and `python -m common.exercises "
+             f"check {number}` runs their tests (`tests/exercises/stage{number}.py`) on your copy. How to take the "
+             "course, and how a class is graded: [COURSE.md](../COURSE.md).")
+    lines = ["## Exercises", "", *textwrap.wrap(intro, 115), "", "| task | write | goal |", "|---|---|---|"]
     for t in stage_tasks(number):
         symbols = ", ".join(f"`{s}`" for s in t.symbols)
         lines.append(f"| `{t.id}` | `{t.file}`: {symbols} | {t.goal} |")
@@ -351,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ExerciseError, ws.SourceError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `... | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

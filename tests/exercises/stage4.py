@@ -19,7 +19,8 @@ def cache_manager(stage, num_pages=8, page_size=4, rows=4):
 
 
 def req(stage, rid, prompt_len, max_new_tokens=8, arrival=0):
-    r = stage.core.Req(rid, list(range(100, 100 + prompt_len)), stage.core.SamplingParams(max_new_tokens=max_new_tokens))
+    params = stage.core.SamplingParams(max_new_tokens=max_new_tokens)
+    r = stage.core.Req(rid, list(range(100, 100 + prompt_len)), params)
     r.arrival = arrival
     return r
 
@@ -74,10 +75,13 @@ def test_kv_indices_read_each_key_through_the_page_table(stage):
     assert indices.tolist() == cm.slots(c, 0, 9) + cm.slots(a, 0, 6) + cm.slots(b, 0, 3)
 
 
+def roomy_llm(stage, path):
+    return stage.LLM(str(path), attention_backend="torch", page_size=2, max_total_tokens=512, verbose=False)
+
+
 @pytest.mark.task("4.kv_indices")
 def test_batched_requests_read_their_own_pages(stage, memo, tiny_llama_path):
-    llm = memo("llm", lambda: stage.LLM(str(tiny_llama_path), attention_backend="torch", page_size=2, max_total_tokens=512,
-                                        verbose=False))
+    llm = memo("llm", lambda: roomy_llm(stage, tiny_llama_path))
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [40]]  # growing together, their pages interleave
     params = stage.SamplingParams(max_new_tokens=6, ignore_eos=True)
     together = [r.token_ids for r in llm.generate(prompts, params)]
@@ -174,7 +178,6 @@ def test_preemption_changes_no_token(stage, memo, tiny_llama_path):
                                          max_total_tokens=64, verbose=False))  # 6 x 24 tokens do not fit
     got = [r.token_ids for r in tight.generate(prompts, params)]
     assert tight.scheduler.total_preemptions > 0, "the pool was meant to be too small"
-    roomy = memo("llm", lambda: stage.LLM(str(tiny_llama_path), attention_backend="torch", page_size=2, max_total_tokens=512,
-                                          verbose=False))
+    roomy = memo("llm", lambda: roomy_llm(stage, tiny_llama_path))
     assert got == [r.token_ids for r in roomy.generate(prompts, params)]
     tight.scheduler.check_integrity()

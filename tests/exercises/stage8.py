@@ -11,7 +11,7 @@ import json
 import pytest
 
 STAGE = "stage8_server"
-TEXT = "Hello, 世界! naïve café 🙂 done."  # 世 and 界 take 2 and 3 byte-level tokens: half a character between
+TEXT = "Hello, 世界! naïve café 🙂 done."  # 世 and 界 take 2 and 3 byte-level tokens each
 
 
 @pytest.fixture(scope="module")
