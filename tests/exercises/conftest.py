@@ -1,18 +1,18 @@
 """How the exercise tests find the code they test, and report on it.
 
-Each test module names its stage (`STAGE = "stage6_radix"`) and takes the `stage` fixture: that package, imported
-from where this run says, and checked to come from there:
+Each test module names its stage (`STAGE = "stage6_radix"`) and takes the `stage` fixture: that
+package, imported from where this run says, and checked to come from there:
 
-- SGLZ_EXERCISE_ROOT=<folder>: a learner's workspace (`python -m common.exercises check`); its copy of the stage
-  is put first on sys.path, so `import stage6_radix` finds the learner's code, not the reference.
+- SGLZ_EXERCISE_ROOT=<folder>: a learner's workspace (`python -m common.exercises check`). Its copy
+  of the stage goes first on sys.path: `import stage6_radix` finds the learner's code.
 - neither variable: the reference package of this checkout.
-- SGLZ_EXERCISE_PROOF=<folder>: every test runs three times: on the reference (it must pass), on a copy of the
-  stage in which only its own task is stubbed, and on one with all the stage's tasks stubbed, as `start N` makes
-  it (both must fail: `xfail(strict=True)`, so a test that passes on a stub fails the run).
-  tests/test_exercises.py runs this.
+- SGLZ_EXERCISE_PROOF=<folder>: every test runs three times: on the reference (it must pass), on a
+  copy of the stage with only its own task stubbed, and on one with all the stage's tasks stubbed
+  as `start N` makes it (both must fail: `xfail(strict=True)`, so a test that passes on a stub
+  fails the run). tests/test_exercises.py runs this.
 
-SGLZ_EXERCISE_TASKS=6.insert_split,6.evict runs only those tasks' tests; SGLZ_EXERCISE_REPORT=<file.json> writes
-every test's outcome and first failure there.
+SGLZ_EXERCISE_TASKS=6.insert_split,6.evict runs only those tasks' tests;
+SGLZ_EXERCISE_REPORT=<file.json> writes every test's outcome and first failure there.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ if PROOF:
 
 
 class Stage:
-    """A stage package: `stage.radix_cache.RadixCache`, `stage.LLM`; submodules are imported on first use."""
+    """A stage package: `stage.radix_cache.RadixCache`, `stage.LLM`; submodules imported on use."""
 
     def __init__(self, module):
         self._module = module
@@ -62,7 +62,7 @@ def task_of(item) -> str | None:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "task(id): the exercise task this test checks, e.g. task('6.evict')")
+    config.addinivalue_line("markers", "task(id): the exercise task a test checks: task('6.evict')")
 
 
 def pytest_report_header(config):
@@ -85,7 +85,8 @@ def pytest_collection_modifyitems(config, items):
         variant = getattr(item, "callspec", None) and item.callspec.params.get("variant")
         item.user_properties.append(("variant", variant or "reference"))
         if variant in ("stub", "all"):
-            item.add_marker(pytest.mark.xfail(strict=True, reason=f"the stub of {task} must fail this test"))
+            reason = f"the stub of {task} must fail this test"
+            item.add_marker(pytest.mark.xfail(strict=True, reason=reason))
         (selected if not TASKS or task in TASKS else deselected).append(item)
     if deselected:
         config.hook.pytest_deselected(items=deselected)
@@ -101,8 +102,8 @@ _built: dict[str, str] = {}
 
 
 def stub_package(stage_name: str, task_id: str, every_task: bool) -> str:
-    """A copy of the reference stage, importable as `<stage>__<task>`, with only that task stubbed (or, as
-    `<stage>__all`, every task of the stage)."""
+    """A copy of the reference stage, importable as `<stage>__<task>`, with only that task stubbed
+    (or, as `<stage>__all`, every task of the stage)."""
     from common import exercises
 
     task = exercises.task(task_id)
@@ -135,7 +136,7 @@ _memo: dict[tuple, object] = {}
 
 @pytest.fixture
 def memo(stage):
-    """memo(key, make): make() once per stage package (an engine on a tiny model, say), reused by later tests."""
+    """memo(key, make): make() once per stage package (an engine on a tiny model, say)."""
     def get(key, make):
         k = (stage._module.__name__, key)
         if k not in _memo:
@@ -152,8 +153,9 @@ _outcomes: dict[str, dict] = {}
 
 def pytest_runtest_logreport(report):
     props = dict(report.user_properties)
-    entry = _outcomes.setdefault(report.nodeid, {"test": report.nodeid, "task": props.get("task"),
-                                                 "variant": props.get("variant"), "outcome": "passed"})
+    new = {"test": report.nodeid, "task": props.get("task"), "variant": props.get("variant"),
+           "outcome": "passed"}
+    entry = _outcomes.setdefault(report.nodeid, new)
     xfailed = report.skipped and hasattr(report, "wasxfail")
     if (report.failed or xfailed) and entry["outcome"] == "passed":
         crash = getattr(report.longrepr, "reprcrash", None)
@@ -165,7 +167,7 @@ def pytest_runtest_logreport(report):
 
 
 def failing_line(report) -> str | None:
-    """file:line of the test's own line that failed (the assert, or the call into the code under test)."""
+    """file:line of the test's line that failed (the assert, or its call into the code tested)."""
     entries = getattr(getattr(report.longrepr, "reprtraceback", None), "reprentries", [])
     test_file = report.location[0].rsplit("/", 1)[-1]
     lines = [e.reprfileloc for e in entries if getattr(e, "reprfileloc", None)

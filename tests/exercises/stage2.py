@@ -1,4 +1,5 @@
-"""Stage 2's exercises: the varlen (packed) metadata, the decode padding mask, varlen prefill, batched sampling.
+"""Stage 2's exercises: the varlen (packed) metadata, the decode padding mask, varlen prefill,
+batched sampling.
 
 Run them with `python -m common.exercises check 2` (your copy) or `check 2 --reference`.
 """
@@ -15,8 +16,8 @@ STAGE = "stage2_batch"
 
 
 def requests(stage, lens, max_new_tokens=4):
-    reqs = [stage.core.Req(i, list(range(10 * i + 1, 10 * i + 1 + n)),
-                           stage.core.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+    params = stage.core.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    reqs = [stage.core.Req(i, list(range(10 * i + 1, 10 * i + 1 + n)), params)
             for i, n in enumerate(lens)]
     for slot, req in zip([2, 0, 1], reqs):
         req.slot = slot
@@ -24,8 +25,10 @@ def requests(stage, lens, max_new_tokens=4):
 
 
 def prepare(stage, reqs, phase, pad_to_longest=False):
-    host = SimpleNamespace(device=torch.device("cpu"), attn_backend="the backend")  # all prepare reads of self
-    return stage.engine.Engine.prepare(host, stage.core.Batch(reqs, phase), "the cache", pad_to_longest)
+    # All that prepare reads of the engine: no model needed.
+    host = SimpleNamespace(device=torch.device("cpu"), attn_backend="the backend")
+    batch = stage.core.Batch(reqs, phase)
+    return stage.engine.Engine.prepare(host, batch, "the cache", pad_to_longest)
 
 
 @pytest.mark.task("2.varlen_metadata")
@@ -36,7 +39,8 @@ def test_prepare_packs_a_prefill_into_one_row(stage):
     assert fb.positions.tolist() == [0, 1, 2, 0, 1, 0, 1, 2, 3]
     assert fb.cu_seqlens.tolist() == [0, 3, 5, 9] and fb.cu_seqlens.dtype == torch.int32
     assert fb.max_seqlen == 4 and fb.last_token_indices.tolist() == [2, 4, 8]
-    assert fb.token_slot_ids.tolist() == [2, 2, 2, 0, 0, 1, 1, 1, 1] and fb.slot_ids.tolist() == [2, 0, 1]
+    assert fb.token_slot_ids.tolist() == [2, 2, 2, 0, 0, 1, 1, 1, 1]
+    assert fb.slot_ids.tolist() == [2, 0, 1]
     assert fb.seq_lens.tolist() == [3, 2, 4] and fb.phase == "prefill"
     assert fb.kv_cache == "the cache" and fb.attn_backend == "the backend"
 
@@ -55,7 +59,7 @@ def test_prepare_feeds_one_token_per_request_in_decode(stage):
 @pytest.mark.task("2.varlen_metadata")
 def test_prepare_pads_to_the_longest_when_asked(stage):
     fb = prepare(stage, requests(stage, [3, 2, 4]), "prefill", pad_to_longest=True)
-    assert fb.input_ids.tolist() == [1, 2, 3, 0, 11, 12, 0, 0, 21, 22, 23, 24]  # pads after the real tokens
+    assert fb.input_ids.tolist() == [1, 2, 3, 0, 11, 12, 0, 0, 21, 22, 23, 24]  # pads go last
     assert fb.positions.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3]
     assert fb.cu_seqlens.tolist() == [0, 4, 8, 12] and fb.last_token_indices.tolist() == [2, 5, 11]
     assert fb.seq_lens.tolist() == [3, 2, 4], "seq_lens count real tokens only"
@@ -76,8 +80,10 @@ def attend(q, k, v, causal):
     """One request: q [T, H, D], k, v [S, KVH, D] -> [T, H, D]; the causal mask aligns the ends."""
     H, KVH = q.shape[1], k.shape[1]
     k, v = k.repeat_interleave(H // KVH, 1), v.repeat_interleave(H // KVH, 1)
-    mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).tril(k.shape[0] - q.shape[0]) if causal else None
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
+    T, S = q.shape[0], k.shape[0]
+    mask = torch.ones(T, S, dtype=torch.bool).tril(S - T) if causal else None
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out.transpose(0, 1)
 
 
@@ -87,8 +93,10 @@ def test_decode_attends_to_each_request_own_keys_only(stage):
     B, H, KVH, D, max_len = 3, 4, 2, 8, 10
     q = torch.randn(B, H, D)
     k_cache, v_cache = torch.randn(4, max_len, KVH, D), torch.randn(4, max_len, KVH, D)
-    slot_ids, seq_lens = torch.tensor([3, 0, 2], dtype=torch.int32), torch.tensor([2, 7, 10], dtype=torch.int32)
-    out = stage.attention.torch_backend.TorchBackend().decode(q, k_cache, v_cache, slot_ids, seq_lens, D**-0.5)
+    slot_ids = torch.tensor([3, 0, 2], dtype=torch.int32)
+    seq_lens = torch.tensor([2, 7, 10], dtype=torch.int32)
+    backend = stage.attention.torch_backend.TorchBackend()
+    out = backend.decode(q, k_cache, v_cache, slot_ids, seq_lens, D**-0.5)
     for b in range(B):
         s, n = int(slot_ids[b]), int(seq_lens[b])
         want = attend(q[b : b + 1], k_cache[s, :n], v_cache[s, :n], causal=False)[0]
@@ -99,7 +107,8 @@ def test_decode_attends_to_each_request_own_keys_only(stage):
 def test_decode_ignores_what_lies_past_a_request_length(stage):
     torch.manual_seed(1)
     q, k_cache, v_cache = torch.randn(2, 2, 8), torch.randn(2, 6, 2, 8), torch.randn(2, 6, 2, 8)
-    slot_ids, seq_lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([2, 6], dtype=torch.int32)
+    slot_ids = torch.tensor([0, 1], dtype=torch.int32)
+    seq_lens = torch.tensor([2, 6], dtype=torch.int32)
     backend = stage.attention.torch_backend.TorchBackend()
     first = backend.decode(q, k_cache, v_cache, slot_ids, seq_lens, 0.35)
     k_cache[0, 2:], v_cache[0, 2:] = 50.0, -50.0  # stale rows of the short request
@@ -115,7 +124,8 @@ def test_prefill_is_causal_within_each_packed_request(stage):
     cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
     out = stage.attention.torch_backend.TorchBackend().prefill(q, k, v, cu, max(lens), D**-0.5)
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        torch.testing.assert_close(out[a:b], attend(q[a:b], k[a:b], v[a:b], causal=True), atol=1e-5, rtol=1e-5)
+        want = attend(q[a:b], k[a:b], v[a:b], causal=True)
+        torch.testing.assert_close(out[a:b], want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.task("2.varlen_prefill")
@@ -146,7 +156,7 @@ def test_greedy_rows_take_the_argmax(stage):
 def test_sampling_follows_temperature_top_k_and_top_p(stage):
     SP, n = stage.core.SamplingParams, 3000
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    logits = probs.log().repeat(n, 1)  # [n, 4]: n draws of the same distribution, each with its own seed
+    logits = probs.log().repeat(n, 1)  # [n, 4]: n draws of one distribution, each its own seed
     gens = [seeded(i) for i in range(n)]
 
     def freqs(params):
@@ -169,7 +179,8 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch(stage):
     torch.manual_seed(4)
     logits = torch.randn(3, 1000)
     params = SP(temperature=1.0, seed=7)
-    alone = [stage.sampler.sample(logits[i : i + 1], [params], [seeded(7 + i)])[0] for i in range(3)]
+    alone = [stage.sampler.sample(logits[i : i + 1], [params], [seeded(7 + i)])[0]
+             for i in range(3)]
     together = stage.sampler.sample(logits, [params, SP(), params], [seeded(7), None, seeded(9)])
     assert together[0] == alone[0] and together[2] == alone[2]
     assert together[1] == int(logits[1].argmax())

@@ -1,4 +1,5 @@
-"""Stage 3's exercises: the merged-linear weight loader, checkpoint name mapping, RoPE and its scaling.
+"""Stage 3's exercises: the merged-linear weight loader, RoPE and its scaling, checkpoint name
+mapping.
 
 Run them with `python -m common.exercises check 3` (your copy) or `check 3 --reference`.
 """
@@ -19,7 +20,7 @@ STAGE = "stage3_weights"
 @pytest.mark.task("3.merged_linear_loader")
 def test_qkv_parts_land_in_their_rows(stage):
     torch.manual_seed(0)
-    layer = stage.layers.QKVLinear(hidden_size=8, num_heads=4, num_kv_heads=2, head_dim=2, bias=True)
+    layer = stage.layers.QKVLinear(8, num_heads=4, num_kv_heads=2, head_dim=2, bias=True)
     parts = {"q": torch.randn(8, 8), "k": torch.randn(4, 8), "v": torch.randn(4, 8)}
     biases = {"q": torch.randn(8), "k": torch.randn(4), "v": torch.randn(4)}
     for shard in ("v", "q", "k"):  # any order: the checkpoint decides
@@ -53,12 +54,16 @@ def empty_model(stage, path):
 
 @pytest.mark.task("3.name_mapping")
 def test_map_name_follows_stacked_params_mapping(stage, tiny_llama_path):
-    model, map_name = empty_model(stage, tiny_llama_path), stage.weights.map_name
-    assert map_name(model, "model.layers.2.self_attn.k_proj.weight") == ("model.layers.2.self_attn.qkv_proj.weight",
-                                                                         "k")
-    assert map_name(model, "model.layers.0.mlp.up_proj.weight") == ("model.layers.0.mlp.gate_up_proj.weight", 1)
-    assert map_name(model, "model.layers.0.mlp.down_proj.weight") == ("model.layers.0.mlp.down_proj.weight", None)
-    assert map_name(model, "model.norm.weight") == ("model.norm.weight", None)
+    model = empty_model(stage, tiny_llama_path)
+
+    def mapped(name):
+        return stage.weights.map_name(model, f"model.{name}")
+
+    qkv = "model.layers.2.self_attn.qkv_proj.weight"
+    assert mapped("layers.2.self_attn.k_proj.weight") == (qkv, "k")
+    assert mapped("layers.0.mlp.up_proj.weight") == ("model.layers.0.mlp.gate_up_proj.weight", 1)
+    assert mapped("layers.0.mlp.down_proj.weight") == ("model.layers.0.mlp.down_proj.weight", None)
+    assert mapped("norm.weight") == ("model.norm.weight", None)
 
 
 @pytest.mark.task("3.name_mapping")
@@ -66,11 +71,14 @@ def test_expected_pieces_lists_every_shard(stage, tiny_llama_path):
     model = empty_model(stage, tiny_llama_path)
     pieces = stage.weights.expected_pieces(model)
     qkv = "model.layers.1.self_attn.qkv_proj.weight"
-    assert {s: pieces[(qkv, s)] for s in "qkv"} == {s: f"model.layers.1.self_attn.{s}_proj.weight" for s in "qkv"}
-    assert pieces[("model.layers.1.mlp.gate_up_proj.weight", 0)] == "model.layers.1.mlp.gate_proj.weight"
+    for s in "qkv":
+        assert pieces[(qkv, s)] == f"model.layers.1.self_attn.{s}_proj.weight"
+    gate_up = "model.layers.1.mlp.gate_up_proj.weight"
+    assert pieces[(gate_up, 0)] == "model.layers.1.mlp.gate_proj.weight"
     assert pieces[("model.embed_tokens.weight", None)] == "model.embed_tokens.weight"
     assert (qkv, None) not in pieces
-    per_param = [3 if "qkv_proj" in n else 2 if "gate_up_proj" in n else 1 for n, _ in model.named_parameters()]
+    per_param = [3 if "qkv_proj" in n else 2 if "gate_up_proj" in n else 1
+                 for n, _ in model.named_parameters()]
     assert len(pieces) == sum(per_param)
 
 
@@ -92,7 +100,8 @@ def test_loading_a_checkpoint_fills_the_merged_parameters(stage):
 
 
 def rotate_by_definition(x, positions, inv_freq):
-    """Pair i of a head is the complex number x_i + j x_{i+D/2}; RoPE multiplies it by e^(j * pos * inv_freq[i])."""
+    """Pair i of a head is the complex number x_i + j x_{i+D/2}; RoPE multiplies it by
+    e^(j * pos * inv_freq[i])."""
     half = x.shape[-1] // 2
     z = torch.complex(x[..., :half].double(), x[..., half:].double())  # [N, heads, D/2]
     angle = positions[:, None, None].double() * inv_freq.double()  # [N, 1, D/2]
@@ -107,8 +116,9 @@ def test_rope_rotates_each_pair_by_its_angle(stage):
     positions = torch.tensor([0, 1, 5, 100, 2047])
     q, k = torch.randn(5, 4, 16), torch.randn(5, 2, 16)
     q_rot, k_rot = rope(positions, q, k)
-    torch.testing.assert_close(q_rot, rotate_by_definition(q, positions, rope.inv_freq), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(k_rot, rotate_by_definition(k, positions, rope.inv_freq), atol=1e-4, rtol=1e-4)
+    for got, x in ((q_rot, q), (k_rot, k)):
+        want = rotate_by_definition(x, positions, rope.inv_freq)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert torch.equal(q_rot[0], q[0]), "position 0 is not rotated"
 
 
@@ -138,9 +148,12 @@ def test_rope_frequencies_equal_transformers(stage, rope):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    hf = LlamaConfig(hidden_size=1024, num_attention_heads=8, head_dim=128, rope_parameters=dict(rope))
-    want, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, "cpu") if rope["rope_type"] != "default" else (
-        1.0 / (rope["rope_theta"] ** (torch.arange(0, 128, 2).float() / 128)), None)
+    hf = LlamaConfig(hidden_size=1024, num_attention_heads=8, head_dim=128,
+                     rope_parameters=dict(rope))
+    if rope["rope_type"] == "default":  # transformers computes it inside the model: the formula
+        want = 1.0 / (rope["rope_theta"] ** (torch.arange(0, 128, 2).float() / 128))
+    else:
+        want, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, "cpu")
     cfg = stage.models.ModelConfig.from_hf(dict(hf.to_dict(), architectures=["LlamaForCausalLM"]))
     got = stage.layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     assert got.dtype == torch.float32 and got.shape == (64,)
@@ -153,7 +166,9 @@ def test_llama3_scaling_keeps_fast_pairs_and_slows_slow_ones(stage):
     plain = stage.layers.rope_inv_freq(128, 500000.0)
     scaled = stage.layers.rope_inv_freq(128, 500000.0, scaling)
     wavelen = 2 * math.pi / plain
-    assert torch.equal(scaled[wavelen < 8192 / 4], plain[wavelen < 8192 / 4]), "short wavelengths unchanged"
+    short = wavelen < 8192 / 4
+    assert torch.equal(scaled[short], plain[short]), "short wavelengths unchanged"
     torch.testing.assert_close(scaled[wavelen > 8192], plain[wavelen > 8192] / 8)
     medium = (wavelen >= 8192 / 4) & (wavelen <= 8192)
-    assert medium.any() and ((scaled[medium] < plain[medium]) & (scaled[medium] > plain[medium] / 8)).all()
+    between = (scaled[medium] < plain[medium]) & (scaled[medium] > plain[medium] / 8)
+    assert medium.any() and between.all()

@@ -15,7 +15,8 @@ STAGE = "stage4_scheduler"
 
 def cache_manager(stage, num_pages=8, page_size=4, rows=4):
     pool = stage.kv_cache.PagedKVPool(1, num_pages, page_size, 1, 2, torch.float32, "cpu")
-    return stage.scheduler.cache_manager.CacheManager(pool, stage.kv_cache.PageTable(rows, 16, "cpu"))
+    table = stage.kv_cache.PageTable(rows, 16, "cpu")
+    return stage.scheduler.cache_manager.CacheManager(pool, table)
 
 
 def req(stage, rid, prompt_len, max_new_tokens=8, arrival=0):
@@ -30,10 +31,10 @@ def test_grow_hands_out_whole_pages_all_or_nothing(stage):
     cm = cache_manager(stage)
     r = req(stage, 0, 5)
     cm.acquire_row(r)
-    assert cm.grow(r, 5) and cm.req_pages[0] == [0, 1], "5 tokens need 2 pages of 4; the free list gives 0 first"
+    assert cm.grow(r, 5) and cm.req_pages[0] == [0, 1], "5 tokens: 2 pages of 4, page 0 first"
     assert cm.grow(r, 8) and cm.req_pages[0] == [0, 1], "8 tokens still fit in 2 pages"
     assert cm.grow(r, 9) and len(cm.req_pages[0]) == 3 and cm.num_free_pages == 5
-    assert cm.page_table.table[r.table_idx, :3].tolist() == cm.req_pages[0], "the page table lists the pages"
+    assert cm.page_table.table[r.table_idx, :3].tolist() == cm.req_pages[0], "the page table row"
     assert not cm.grow(r, 40), "40 tokens need 10 pages: more than the pool has"
     assert len(cm.req_pages[0]) == 3 and cm.num_free_pages == 5, "a failed grow changes nothing"
     cm.check_integrity([])
@@ -56,8 +57,10 @@ def test_slots_follow_each_request_pages(stage):
 
 def paged_batch(stage, cm, reqs):
     seq_lens = [r.device_len for r in reqs]
-    return SimpleNamespace(seq_lens_cpu=seq_lens, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                           page_size=cm.page_size, batch_size=len(reqs), page_table=cm.page_table.table,
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return SimpleNamespace(seq_lens_cpu=seq_lens, seq_lens=lens,
+                           page_size=cm.page_size, batch_size=len(reqs),
+                           page_table=cm.page_table.table,
                            req_rows=torch.tensor([r.table_idx for r in reqs], dtype=torch.int32))
 
 
@@ -67,16 +70,18 @@ def test_kv_indices_read_each_key_through_the_page_table(stage):
     a, b, c = req(stage, 0, 6), req(stage, 1, 3), req(stage, 2, 9)
     for r in (a, b, c):
         cm.acquire_row(r)
-    for r, n in [(a, 4), (b, 3), (c, 4), (a, 6), (c, 9)]:  # interleaved growth: pages are not contiguous
+    for r, n in [(a, 4), (b, 3), (c, 4), (a, 6), (c, 9)]:  # interleaved: pages not contiguous
         assert cm.grow(r, n)
-    indptr, indices = stage.attention.torch_backend.build_kv_indices(paged_batch(stage, cm, [c, a, b]))
+    fb = paged_batch(stage, cm, [c, a, b])
+    indptr, indices = stage.attention.torch_backend.build_kv_indices(fb)
     assert indptr == [0, 9, 15, 18]
     assert indices.dtype == torch.int64
     assert indices.tolist() == cm.slots(c, 0, 9) + cm.slots(a, 0, 6) + cm.slots(b, 0, 3)
 
 
 def roomy_llm(stage, path):
-    return stage.LLM(str(path), attention_backend="torch", page_size=2, max_total_tokens=512, verbose=False)
+    return stage.LLM(str(path), attention_backend="torch", page_size=2, max_total_tokens=512,
+                     verbose=False)
 
 
 @pytest.mark.task("4.kv_indices")
@@ -97,7 +102,8 @@ def test_adder_cuts_the_request_that_crosses_the_chunk_budget(stage):
     assert batch.reqs == [r0, r1] and admitted == [r0, r1], "r1 is cut at the budget; r2 waits"
     assert (r0.extend_len, r1.extend_len) == (5, 3)
     assert all(r.status is stage.core.ReqStatus.RUNNING and r.table_idx >= 0 for r in (r0, r1))
-    assert batch.phase == "prefill" and batch.out_cache_loc == cm.slots(r0, 0, 5) + cm.slots(r1, 0, 3)
+    assert batch.phase == "prefill"
+    assert batch.out_cache_loc == cm.slots(r0, 0, 5) + cm.slots(r1, 0, 3)
     r0.complete_one(1)
     r1.complete_chunk()  # the step ran: r1 is the chunked request now
     batch, admitted = adder.build(r1, [r2], [r0], 0.5, 1000)
@@ -110,10 +116,11 @@ def test_adder_cuts_the_request_that_crosses_the_chunk_budget(stage):
 def test_adder_keeps_room_for_what_requests_will_generate(stage):
     cm = cache_manager(stage, num_pages=8)  # 32 tokens
     adder = stage.scheduler.prefill.PrefillAdder(cm, max_prefill_tokens=100)
-    r0, r1, r2 = req(stage, 0, 8, max_new_tokens=8), req(stage, 1, 8, max_new_tokens=16), req(stage, 2, 1)
+    r0, r1 = req(stage, 0, 8, max_new_tokens=8), req(stage, 1, 8, max_new_tokens=16)
+    r2 = req(stage, 2, 1)
     batch, admitted = adder.build(None, [r0, r1, r2], [], 0.5, 1000)
-    # r0 takes 2 pages and is promised 2 more for its 8 new tokens; r1 would need 6 of the 4 left: it waits,
-    # and r2 behind it too (it must not overtake the head of the queue forever).
+    # r0 takes 2 pages and is promised 2 more for its 8 new tokens; r1 would need 6 of the 4 left:
+    # it waits, and r2 behind it too (it must not overtake the head of the queue forever).
     assert admitted == [r0] and batch.reqs == [r0] and cm.num_free_pages == 6
     assert r1.status is stage.core.ReqStatus.WAITING and r1.table_idx == -1
 
@@ -127,8 +134,8 @@ def test_adder_reserves_pages_for_the_running_by_new_token_ratio(stage, ratio, a
     cm.acquire_row(running)
     assert cm.grow(running, 4)
     running.status = stage.core.ReqStatus.RUNNING
-    running.complete_one(7)  # 20 tokens left: 0.5 -> 10 expected, 3 more pages; 1.0 -> 20, 5 more pages
-    new = req(stage, 1, 8, max_new_tokens=8)  # needs 4 pages: 7 free minus what the running one may use
+    running.complete_one(7)  # 20 tokens left: 0.5 -> 10 expected, 3 pages more; 1.0 -> 20, 5 more
+    new = req(stage, 1, 8, max_new_tokens=8)  # 4 pages: 7 free minus what the running one may use
     batch, admitted = adder.build(None, [new], [running], ratio, 1000)
     assert (admitted == [new]) == admits and (batch is not None) == admits
 
@@ -153,7 +160,8 @@ def test_decode_preempts_the_newest_when_the_pool_runs_dry(stage):
     assert preempted == [reqs[2]] and batch.reqs == reqs[:2] and dm.running == reqs[:2]
     victim = reqs[2]
     assert victim.status is stage.core.ReqStatus.WAITING and victim.table_idx == -1
-    assert (victim.cached_len, victim.device_len, victim.output_ids) == (0, 5, [1]), "recomputed later, token kept"
+    recompute = (victim.cached_len, victim.device_len, victim.output_ids)
+    assert recompute == (0, 5, [1]), "prefilled again later, its token kept"
     assert batch.out_cache_loc == cm.slots(reqs[0], 4, 5) + cm.slots(reqs[1], 4, 5)
     cm.check_integrity(dm.running)
 
@@ -174,8 +182,9 @@ def test_preemption_changes_no_token(stage, memo, tiny_llama_path):
 
     prompts = [list(range(50 * i + 3, 50 * i + 11)) for i in range(6)]
     params = stage.SamplingParams(max_new_tokens=16, ignore_eos=True)
-    tight = without_look_ahead(stage.LLM(str(tiny_llama_path), attention_backend="torch", page_size=4,
-                                         max_total_tokens=64, verbose=False))  # 6 x 24 tokens do not fit
+    tight = stage.LLM(str(tiny_llama_path), attention_backend="torch", page_size=4,
+                      max_total_tokens=64, verbose=False)  # 6 x 24 tokens do not fit
+    without_look_ahead(tight)  # admit on the prompt alone: decoding then runs out of pages
     got = [r.token_ids for r in tight.generate(prompts, params)]
     assert tight.scheduler.total_preemptions > 0, "the pool was meant to be too small"
     roomy = memo("llm", lambda: roomy_llm(stage, tiny_llama_path))

@@ -1,6 +1,7 @@
-"""Stage 5's exercises: CUDA-graph buckets, the static buffers' padding, the overlap loop's deferred results.
+"""Stage 5's exercises: CUDA-graph buckets, the static buffers' padding, the overlap loop's deferred
+results. On a CPU the graphs run on common/graph_emulator.py, which records and replays ops as a
+CUDA graph does.
 
-On a CPU the graphs run on common/graph_emulator.py (it records and replays ops as a CUDA graph does).
 Run them with `python -m common.exercises check 5` (your copy) or `check 5 --reference`.
 """
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 STAGE = "stage5_cudagraph"
+BUFFERS = ("input_ids", "positions", "out_cache_loc", "req_rows", "seq_lens")
 
 
 @pytest.mark.task("5.graph_buckets")
@@ -35,38 +37,43 @@ def test_pick_bucket_takes_the_smallest_that_holds_the_batch(stage):
 
 
 def bare_runner(stage, max_bs=8):
-    """A GraphRunner's static buffers, without a model to capture (load_inputs touches nothing else)."""
+    """A GraphRunner's static buffers without a model to capture: all that load_inputs touches."""
     runner = object.__new__(stage.graph.GraphRunner)
-    runner.buckets, runner.max_bs, runner.dummy_slot = stage.graph.bucket_sizes(max_bs), max_bs, 999
-    for name in ("input_ids", "positions", "out_cache_loc", "req_rows", "seq_lens"):
+    runner.buckets, runner.max_bs = stage.graph.bucket_sizes(max_bs), max_bs
+    runner.dummy_slot = 999
+    for name in BUFFERS:  # holding stale values of an earlier batch
         dtype = torch.int32 if name in ("req_rows", "seq_lens") else torch.long
-        setattr(runner, name, torch.full((max_bs,), 77, dtype=dtype))  # stale values of an earlier batch
+        setattr(runner, name, torch.full((max_bs,), 77, dtype=dtype))
     return runner
 
 
 def decode_batch(n):
     ids = torch.arange(n)
-    return SimpleNamespace(batch_size=n, input_ids=ids + 100, positions=ids + 10, out_cache_loc=ids + 500,
-                           req_rows=(ids + 3).int(), seq_lens=(ids + 11).int())
+    return SimpleNamespace(batch_size=n, input_ids=ids + 100, positions=ids + 10,
+                           out_cache_loc=ids + 500, req_rows=(ids + 3).int(),
+                           seq_lens=(ids + 11).int())
 
 
 @pytest.mark.task("5.graph_padding")
 def test_load_inputs_copies_into_the_static_buffers_and_pads(stage):
     runner = bare_runner(stage)
-    addresses = {n: getattr(runner, n).data_ptr() for n in ("input_ids", "positions", "out_cache_loc")}
+    addresses = {n: getattr(runner, n).data_ptr() for n in BUFFERS}
     assert runner.load_inputs(decode_batch(3)) == 4
     assert runner.input_ids[:4].tolist() == [100, 101, 102, 0], "a padded row feeds token 0"
     assert runner.positions[:4].tolist() == [10, 11, 12, 0]
-    assert runner.out_cache_loc[:4].tolist() == [500, 501, 502, 999], "its K/V goes to the dummy slot"
-    assert runner.req_rows[:4].tolist() == [3, 4, 5, 0] and runner.seq_lens[:4].tolist() == [11, 12, 13, 1]
-    assert {n: getattr(runner, n).data_ptr() for n in addresses} == addresses, "a graph reads fixed addresses"
+    assert runner.out_cache_loc[:4].tolist() == [500, 501, 502, 999], "K/V into the dummy slot"
+    assert runner.req_rows[:4].tolist() == [3, 4, 5, 0]
+    assert runner.seq_lens[:4].tolist() == [11, 12, 13, 1]
+    assert {n: getattr(runner, n).data_ptr() for n in BUFFERS} == addresses, (
+        "a graph reads fixed addresses: copy into the buffers, never replace them")
 
 
 @pytest.mark.task("5.graph_padding")
 def test_load_inputs_of_a_full_bucket_pads_nothing(stage):
     runner = bare_runner(stage)
     assert runner.load_inputs(decode_batch(8)) == 8
-    assert runner.input_ids.tolist() == list(range(100, 108)) and runner.seq_lens.tolist() == list(range(11, 19))
+    assert runner.input_ids.tolist() == list(range(100, 108))
+    assert runner.seq_lens.tolist() == list(range(11, 19))
 
 
 @pytest.mark.task("5.graph_padding")
@@ -74,8 +81,9 @@ def test_emulated_graph_replays_give_the_eager_tokens(stage, monkeypatch, tiny_l
     from common import graph_emulator
 
     params = stage.SamplingParams(max_new_tokens=3, ignore_eos=True)
-    prompts = [[5, 6, 7], [9, 10], [40, 41, 42, 43]]  # a decode batch of 3 replays bucket 4, one row padded
-    options = dict(attention_backend="torch", disable_overlap=True, max_total_tokens=256, verbose=False)
+    prompts = [[5, 6, 7], [9, 10], [40, 41, 42, 43]]  # a decode batch of 3 replays bucket 4
+    options = dict(attention_backend="torch", disable_overlap=True, max_total_tokens=256,
+                   verbose=False)
     eager = stage.LLM(str(tiny_llama_path), disable_cuda_graph=True, **options)
     want = [r.token_ids for r in eager.generate(prompts, params)]
     monkeypatch.setattr(stage.graph._module, "cuda", graph_emulator)
@@ -86,9 +94,10 @@ def test_emulated_graph_replays_give_the_eager_tokens(stage, monkeypatch, tiny_l
 
 @pytest.fixture(scope="module")
 def reference_tokens(tiny_llama_path):
-    """What stage 4's loop, with no overlap, generates (the ground truth for the overlap loop), memoised."""
+    """What stage 4's loop (no overlap) generates, memoised: the truth for the overlap loop."""
     stage4 = importlib.import_module("stage4_scheduler")
-    llm = stage4.LLM(str(tiny_llama_path), attention_backend="torch", max_total_tokens=256, verbose=False)
+    llm = stage4.LLM(str(tiny_llama_path), attention_backend="torch", max_total_tokens=256,
+                     verbose=False)
     memo = {}
 
     def run(prompts, params: list[dict]):
@@ -102,17 +111,18 @@ def reference_tokens(tiny_llama_path):
 
 @pytest.mark.task("5.overlap_results")
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "synchronous"])
-def test_the_loop_reads_each_step_tokens_and_stops(stage, tiny_llama_path, reference_tokens, overlap):
+def test_the_loop_reads_each_step_tokens_and_stops(stage, tiny_llama_path, reference_tokens,
+                                                   overlap):
     prompts = [[5, 6, 7], [9, 10, 11, 12], [40]]
     free = reference_tokens(prompts, [dict(max_new_tokens=8, ignore_eos=True)] * 3)
-    stop = free[1][0][3]  # request 1 stops at its 4th token: the step after it was already launched
+    stop = free[1][0][3]  # request 1 stops at its 4th token: the step after it is already launched
     params = [dict(max_new_tokens=n, stop_token_ids=[stop], ignore_eos=True) for n in (8, 8, 5)]
     want = reference_tokens(prompts, params)
     assert want[1][1] == "stop" and len(want[1][0]) <= 4
-    with stage.LLM(str(tiny_llama_path), attention_backend="torch", max_total_tokens=256, verbose=False,
-                   disable_overlap=not overlap) as llm:
-        got = [(r.token_ids, r.finish_reason)
-               for r in llm.generate(prompts, [stage.SamplingParams(**p) for p in params])]
-        assert got == want
+    with stage.LLM(str(tiny_llama_path), attention_backend="torch", max_total_tokens=256,
+                   verbose=False, disable_overlap=not overlap) as llm:
+        results = llm.generate(prompts, [stage.SamplingParams(**p) for p in params])
+        assert [(r.token_ids, r.finish_reason) for r in results] == want
         llm.scheduler.check_integrity()
-        assert not llm.scheduler.deferred and llm.scheduler.cache.num_used_pages == 0, "every page came back"
+        assert not llm.scheduler.deferred, "a finished request's pages wait for its last step only"
+        assert llm.scheduler.cache.num_used_pages == 0, "every page came back"

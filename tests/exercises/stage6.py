@@ -1,4 +1,5 @@
-"""Stage 6's exercises: the radix tree's insert (with split), match_prefix, lock counts and LRU eviction.
+"""Stage 6's exercises: the radix tree's insert (with split), match_prefix, lock counts and LRU
+eviction.
 
 Run them with `python -m common.exercises check 6` (your copy) or `check 6 --reference`.
 """
@@ -23,7 +24,8 @@ def child(node, first):
 def test_insert_reports_what_was_already_cached(stage):
     cache = stage.radix_cache.RadixCache()
     assert cache.insert([1, 2, 3], slots(10, 11, 12)) == 0
-    assert cache.insert([1, 2, 3, 4, 5], slots(20, 21, 22, 23, 24)) == 3, "the first 3 were cached: duplicates"
+    already = cache.insert([1, 2, 3, 4, 5], slots(20, 21, 22, 23, 24))
+    assert already == 3, "the first 3 were cached: the caller's slots for them are duplicates"
     a = child(cache.root_node, 1)
     assert a.key == (1, 2, 3) and a.value.tolist() == [10, 11, 12]
     b = child(a, 4)
@@ -55,7 +57,8 @@ def test_insert_keeps_whole_pages_and_copies_the_slots(stage):
     assert cache.total_size() == 4, "the partial last page stays private"
     mine[0] = -1  # the caller reuses its tensor: the tree kept a copy
     assert child(cache.root_node, (1, 2)).value.tolist() == [10, 11, 12, 13]
-    assert cache.insert([1, 2, 3, 9], slots(20, 21, 22, 23)) == 2, "pages (1, 2) match, (3, 9) does not"
+    already = cache.insert([1, 2, 3, 9], slots(20, 21, 22, 23))
+    assert already == 2, "pages (1, 2) match, (3, 9) does not"
     upper = child(cache.root_node, (1, 2))
     assert upper.key == (1, 2) and set(upper.children) == {(3, 4), (3, 9)}
     cache.check_integrity()
@@ -83,7 +86,8 @@ def test_match_ending_inside_a_node_splits_it(stage):
     cache.insert([1, 2, 3, 4], slots(10, 11, 12, 13))
     m = cache.match_prefix([1, 2, 7])
     assert m.indices.tolist() == [10, 11]
-    assert m.last_node.key == (1, 2) and child(m.last_node, 3).key == (3, 4), "the match ends on a node boundary"
+    assert m.last_node.key == (1, 2), "the match ends on a node boundary"
+    assert child(m.last_node, 3).key == (3, 4)
     assert cache.total_size() == 4
     cache.check_integrity()
     paged = stage.radix_cache.RadixCache(page_size=2)
@@ -101,7 +105,7 @@ def test_match_refreshes_the_access_time_of_its_path_only(stage):
     before = leaf4.last_access_time
     m = cache.match_prefix([1, 2, 3])
     assert m.last_node is leaf3
-    assert leaf3.last_access_time == upper.last_access_time > before, "the matched path is the most recent"
+    assert leaf3.last_access_time == upper.last_access_time > before, "the path just matched"
     assert leaf4.last_access_time == before, "a sibling that did not match keeps its time"
     cache.check_integrity()
 
@@ -122,7 +126,7 @@ def test_locks_protect_the_whole_path(stage):
     assert (cache.evictable_size, cache.protected_size) == (1, 3)
     assert (upper.lock_ref, leaf3.lock_ref, leaf4.lock_ref) == (1, 1, 0)
     assert cache.evictable_leaves == {leaf4}
-    assert cache.inc_lock_ref(leaf4) == -1 and upper.lock_ref == 2, "a second request through [1, 2]"
+    assert cache.inc_lock_ref(leaf4) == -1 and upper.lock_ref == 2, "a 2nd request through [1, 2]"
     cache.check_integrity()
     assert cache.dec_lock_ref(leaf3) == 1 and cache.evictable_leaves == {leaf3}
     assert cache.dec_lock_ref(leaf4) == 3 and (cache.evictable_size, cache.protected_size) == (4, 0)
@@ -144,7 +148,7 @@ def test_evict_frees_least_recently_used_leaves_first(stage):
     for i, first in enumerate((1, 3, 5)):  # inserted in this order
         cache.insert([first, first + 1], slots(10 * i, 10 * i + 1))
     cache.insert([1, 2], slots(90, 91))  # touches [1, 2]: now [3, 4] is the least recently used
-    assert cache.evict(1).tolist() == [10, 11], "a whole node goes, even when fewer tokens were asked for"
+    assert cache.evict(1).tolist() == [10, 11], "a whole node goes, even for fewer tokens asked"
     assert sorted(cache.evict(3).tolist()) == [0, 1, 20, 21]
     assert cache.total_size() == cache.evictable_size == 0 and cache.evict(5).tolist() == []
     cache.check_integrity()
@@ -153,7 +157,8 @@ def test_evict_frees_least_recently_used_leaves_first(stage):
 @pytest.mark.task("6.evict")
 def test_evict_cascades_to_parents_but_never_takes_a_locked_node(stage):
     cache, upper, leaf3, leaf4 = forked(stage)
-    assert sorted(cache.evict(3).tolist()) == [10, 11, 12, 13], "both leaves, then their childless parent"
+    freed = sorted(cache.evict(3).tolist())
+    assert freed == [10, 11, 12, 13], "both leaves, then their parent, a childless leaf now"
     assert not cache.root_node.children
     cache, upper, leaf3, leaf4 = forked(stage)
     cache.inc_lock_ref(leaf3)

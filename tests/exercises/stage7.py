@@ -1,7 +1,8 @@
 """Stage 7's exercises: column- and row-parallel weight slicing, the vocabulary-parallel embedding.
 
-The ranks here are threads of one process, and the collectives are done with a barrier (SimulatedTP): the same
-sums and gathers as gloo or NCCL, without starting processes. Run them with `python -m common.exercises check 7`.
+The ranks here are threads of one process, and the collectives are done with a barrier
+(SimulatedTP): the same sums and gathers as gloo or NCCL, without starting processes.
+Run them with `python -m common.exercises check 7` (your copy) or `check 7 --reference`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ STAGE = "stage7_tp"
 
 
 class SimulatedTP:
-    """What the layers use of TPInfo (rank, size, all_reduce, all_gather), the ranks being threads."""
+    """What the layers use of TPInfo (rank, size, all_reduce, all_gather); ranks are threads."""
 
     def __init__(self, rank: int, size: int, shared: dict):
         self.rank, self.size, self.group, self.shared = rank, size, None, shared
@@ -57,10 +58,12 @@ def test_column_parallel_ranks_hold_their_output_rows(stage):
     W, b, x = torch.randn(8, 6), torch.randn(8), torch.randn(3, 6)
     outs = []
     for rank in range(2):
-        layer = stage.layers.ColumnParallelLinear(6, 8, bias=True, tp=stage.distributed.TPInfo(rank, 2))
+        tp = stage.distributed.TPInfo(rank, 2)
+        layer = stage.layers.ColumnParallelLinear(6, 8, bias=True, tp=tp)
         layer.weight.weight_loader(layer.weight, W)
         layer.bias.weight_loader(layer.bias, b)
-        assert torch.equal(layer.weight, W[4 * rank : 4 * rank + 4]) and torch.equal(layer.bias, b[4 * rank :][:4])
+        rows = slice(4 * rank, 4 * rank + 4)
+        assert torch.equal(layer.weight, W[rows]) and torch.equal(layer.bias, b[rows])
         outs.append(layer(x))  # [3, 4]: this rank's slice of the output, no communication
     torch.testing.assert_close(torch.cat(outs, dim=-1), F.linear(x, W, b))
     with pytest.raises(ValueError):
@@ -72,17 +75,19 @@ def test_merged_column_parallel_splits_every_part(stage):
     torch.manual_seed(1)
     gate, up = torch.randn(8, 6), torch.randn(8, 6)
     for rank in range(2):
-        layer = stage.layers.MergedColumnParallelLinear(6, {0: 8, 1: 8}, tp=stage.distributed.TPInfo(rank, 2))
+        tp = stage.distributed.TPInfo(rank, 2)
+        layer = stage.layers.MergedColumnParallelLinear(6, {0: 8, 1: 8}, tp=tp)
         layer.weight.weight_loader(layer.weight, up, 1)
         layer.weight.weight_loader(layer.weight, gate, 0)
         rows = slice(4 * rank, 4 * rank + 4)
-        assert torch.equal(layer.weight, torch.cat([gate[rows], up[rows]])), "[its gate slice | its up slice]"
+        want = torch.cat([gate[rows], up[rows]])
+        assert torch.equal(layer.weight, want), "[its gate slice | its up slice]"
 
 
 @pytest.mark.task("7.column_parallel")
 def test_qkv_replicates_kv_heads_when_ranks_outnumber_them(stage):
     torch.manual_seed(2)
-    q, k, v = torch.randn(8, 4), torch.randn(4, 4), torch.randn(4, 4)  # 4 query heads, 2 KV heads, head_dim 2
+    q, k, v = torch.randn(8, 4), torch.randn(4, 4), torch.randn(4, 4)  # 4 q heads, 2 KV, D = 2
     for rank in range(4):
         layer = stage.layers.QKVParallelLinear(4, 4, 2, 2, tp=stage.distributed.TPInfo(rank, 4))
         for shard, part in (("q", q), ("k", k), ("v", v)):
@@ -120,10 +125,10 @@ def test_row_parallel_partial_sums_add_up_to_the_full_linear(stage, tp_size):
 
     def rank_forward(tp):
         layer = row_parallel(stage, tp, W, b)
-        return layer(x[:, tp.rank * cols : (tp.rank + 1) * cols])  # the slice the layer before produced
+        return layer(x[:, tp.rank * cols : (tp.rank + 1) * cols])  # the slice made before it
 
     for out in on_ranks(tp_size, rank_forward):
-        torch.testing.assert_close(out, F.linear(x, W, b), atol=1e-5, rtol=1e-5)  # the bias added once
+        torch.testing.assert_close(out, F.linear(x, W, b), atol=1e-5, rtol=1e-5)  # bias once
 
 
 def embedding(stage, tp, E):
@@ -135,7 +140,7 @@ def embedding(stage, tp, E):
 @pytest.mark.task("7.vocab_parallel")
 def test_vocab_parallel_ranks_hold_their_rows_and_zero_padding(stage):
     E = torch.randn(10, 4)
-    for rank in range(3):  # 10 ids over 3 ranks: 4 rows each, the last rank holds ids 8, 9 and 2 padding rows
+    for rank in range(3):  # 10 ids over 3 ranks: 4 rows each; the last: ids 8, 9 and 2 padding rows
         layer = embedding(stage, stage.distributed.TPInfo(rank, 3), E)
         assert layer.weight.shape == (4, 4)
         real = E[4 * rank : 4 * rank + 4]

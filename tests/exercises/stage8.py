@@ -1,5 +1,5 @@
-"""Stage 8's exercises: the incremental detokenizer, holding back stop strings, the detokenizer worker, the SSE
-chunks of an OpenAI stream.
+"""Stage 8's exercises: the incremental detokenizer, holding back stop strings, the detokenizer
+worker, the SSE chunks of an OpenAI stream.
 
 Run them with `python -m common.exercises check 8` (your copy) or `check 8 --reference`.
 """
@@ -43,8 +43,9 @@ def test_a_stop_string_across_tokens_is_found_and_trimmed(stage, tok):
     ids = ids_of(tok, TEXT)
     d = stage.detokenizer.IncrementalDetokenizer(tok, ["界!", "zzz"])
     found = [d.add(t) for t in ids[:9]]  # up to "!": the scheduler stops the request there
-    assert found == [None] * 8 + ["界!"], "界 takes three tokens and ! a fourth: the stop string spans them"
-    assert d.text == "Hello, 世" and d.matched_stop == "界!", "the stop string is not part of the output"
+    assert found == [None] * 8 + ["界!"], "界 takes three tokens and ! a fourth: it spans them"
+    assert d.text == "Hello, 世", "the stop string is not part of the output"
+    assert d.matched_stop == "界!"
     d2 = stage.detokenizer.IncrementalDetokenizer(tok, ["llo, 世"])  # starts in text decoded earlier
     assert [d2.add(t) for t in ids[:5]] == [None] * 4 + ["llo, 世"] and d2.text == "He"
 
@@ -66,16 +67,17 @@ def stream(stage, tok, text, stops):
 def test_a_possible_stop_string_is_held_back(stage, tok):
     _, deltas = stream(stage, tok, "The cat says STOP now", ["STOP"])
     assert "".join(deltas) == "The cat says "
-    assert not any("S" in x for x in deltas), "'ST' could have been the start of STOP: never streamed"
+    assert not any("S" in x for x in deltas), "'ST' could be the start of STOP: never streamed"
     _, deltas = stream(stage, tok, "The cat says STOP now", ["STOPPED"])
-    assert "".join(deltas) == "The cat says STOP now", "held back, then released once it cannot be a stop"
+    assert "".join(deltas) == "The cat says STOP now", "held back, released when it cannot stop"
     assert deltas[3] == " " and deltas[4] == "", "' ST', then ' STOP', could still become STOPPED"
 
 
 @pytest.mark.task("8.stop_hold_back")
 def test_held_back_counts_the_longest_stop_prefix_at_the_end(stage, tok):
     d = stage.detokenizer.IncrementalDetokenizer(tok, ["STOP", "<end>"])
-    for text, n in [("abc ST", 2), ("abc STO", 3), ("abc", 0), ("abc <en", 3), ("abc STOPX", 0), ("S", 1)]:
+    cases = [("abc ST", 2), ("abc STO", 3), ("abc", 0), ("abc <en", 3), ("abc STOPX", 0), ("S", 1)]
+    for text, n in cases:
         d.text = text
         assert d._held_back() == n, text
 
@@ -87,11 +89,11 @@ def test_the_final_delta_flushes_a_cut_character(stage, tok):
         d.add(token)
     assert d.take_delta() == "Hello, "
     assert d.take_delta() == "", "nothing twice"
-    assert d.take_delta(final=True) == "\ufffd", "the request ended inside a character: show what there is"
+    assert d.take_delta(final=True) == "\ufffd", "it ended inside a character: show what there is"
 
 
 def outputs(stage, tok, rid, text, steps, stops=None):
-    """The scheduler's ReqOutputs of one request: its tokens cut into `steps` chunks, the last one finished."""
+    """The scheduler's outputs of one request: its tokens in `steps` chunks, the last finished."""
     ReqOutput, ids = stage.server.messages.ReqOutput, ids_of(tok, text)
     cuts = [round(i * len(ids) / steps) for i in range(steps + 1)]
     outs = [ReqOutput(rid, ids[a:b]) for a, b in zip(cuts, cuts[1:])]
@@ -103,10 +105,11 @@ def outputs(stage, tok, rid, text, steps, stops=None):
 @pytest.mark.task("8.detokenizer_worker")
 def test_worker_keeps_one_decoding_state_per_request(stage, tok):
     worker = stage.server.detokenizer_worker.DetokenizerWorker(tok)
-    a, b = outputs(stage, tok, 1, TEXT, 5), outputs(stage, tok, 2, "The cat says STOP", 3, stops=["STOP"])
+    a = outputs(stage, tok, 1, TEXT, 5)
+    b = outputs(stage, tok, 2, "The cat says STOP", 3, stops=["STOP"])
     texts = {1: "", 2: ""}
     for step in range(5):  # both requests' steps arrive interleaved, in batches
-        batch = [o for o in (a[step] if step < 5 else None, b[step] if step < 3 else None) if o is not None]
+        batch = [outs[step] for outs in (a, b) if step < len(outs)]
         for out in worker.handle(stage.server.messages.BatchTokenIDOut(batch)).outputs:
             texts[out.rid] += out.text
     assert texts == {1: TEXT, 2: "The cat says "}
@@ -140,14 +143,17 @@ def test_chat_stream_opens_with_the_role_and_ends_with_the_reason(stage):
     outs = [msgs.ReqOutput(0, [5], text="Hel", prompt_tokens=4), msgs.ReqOutput(0, [6], text="lo"),
             msgs.ReqOutput(0, [7], text="", finished=True, finish_reason="stop", matched_stop=7)]
     chunks = chat_stream(stage, builder, outs) + builder.final_chunks()
-    parsed = [ChatCompletionChunk.model_validate(c) for c in chunks]  # the openai client's own schema
-    assert [p.choices[0].delta.role for p in parsed[:1]] == ["assistant"] and parsed[0].choices[0].delta.content == ""
+    parsed = [ChatCompletionChunk.model_validate(c) for c in chunks]  # the openai client's schema
+    assert parsed[0].choices[0].delta.role == "assistant"
+    assert parsed[0].choices[0].delta.content == ""
+    assert [p.choices[0].delta.role for p in parsed[1:] if p.choices] == [None] * 3
     assert "".join(p.choices[0].delta.content or "" for p in parsed if p.choices) == "Hello"
     assert [p.choices[0].finish_reason for p in parsed if p.choices] == [None, None, None, "stop"]
     assert chunks[3]["choices"][0]["matched_stop"] == 7 and chunks[3]["choices"][0]["delta"] == {}
     assert len({p.id for p in parsed}) == 1 and parsed[-1].usage.completion_tokens == 3
     event = stage.server.api_server.sse(chunks[1])
-    assert event.startswith("data: ") and event.endswith("\n\n") and json.loads(event[6:]) == chunks[1]
+    assert event.startswith("data: ") and event.endswith("\n\n")
+    assert json.loads(event[6:]) == chunks[1]
 
 
 @pytest.mark.task("8.sse_chunks")
@@ -157,6 +163,7 @@ def test_chat_stream_numbers_its_choices_and_streams_logprobs(stage):
     lp = msgs.TokenLogprob(5, -0.25, [(5, -0.25)], text="Hi", top_texts=["Hi"])
     first = chat_stream(stage, builder, [msgs.ReqOutput(0, [5], text="", logprobs=[lp])], index=1)
     assert [c["choices"][0]["index"] for c in first] == [1, 1]
-    assert first[1]["choices"][0]["delta"] == {"content": ""}, "logprobs asked: a token without text still streams"
+    assert first[1]["choices"][0]["delta"] == {"content": ""}, "logprobs asked: it still streams"
     assert first[1]["choices"][0]["logprobs"]["content"][0]["logprob"] == -0.25
-    assert chat_stream(stage, builder, [msgs.ReqOutput(0, [6], text="")], index=1) == [], "nothing to send"
+    empty = msgs.ReqOutput(0, [6], text="")
+    assert chat_stream(stage, builder, [empty], index=1) == [], "nothing to send"

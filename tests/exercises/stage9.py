@@ -1,4 +1,5 @@
-"""Stage 9's exercises: top-k routing, moe_align_block_size, the experts' reference loop, the expert weight loader.
+"""Stage 9's exercises: top-k routing, moe_align_block_size, the experts' reference loop, the expert
+weight loader.
 
 Run them with `python -m common.exercises check 9` (your copy) or `check 9 --reference`.
 """
@@ -27,7 +28,7 @@ def experts(E, H, I, seed=1):
 
 
 def dense_moe(x, w13, w2, weights, ids):
-    """Every expert on every token, then each token's k chosen outputs, weighted: the definition, no routing."""
+    """Every expert on every token, then each token's k chosen outputs, weighted: the definition."""
     I = w2.shape[-1]
     gate, up = (x @ w13.transpose(1, 2)).split(I, dim=-1)  # [E, M, I] each
     everything = (F.silu(gate) * up) @ w2.transpose(1, 2)  # [E, M, H]
@@ -43,11 +44,13 @@ def test_topk_equals_transformers_routers(stage, family):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
     if family == "qwen3_moe":
-        hf = Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=48, num_experts=16, num_experts_per_tok=4,
-                                               norm_topk_prob=True))
+        config = Qwen3MoeConfig(hidden_size=48, num_experts=16, num_experts_per_tok=4,
+                                norm_topk_prob=True)
+        hf = Qwen3MoeTopKRouter(config)
         ours = stage.moe.TopK(4, renormalize=True, weights_in_logits_dtype=True)
     else:
-        hf = MixtralTopKRouter(MixtralConfig(hidden_size=48, num_local_experts=8, num_experts_per_tok=2))
+        config = MixtralConfig(hidden_size=48, num_local_experts=8, num_experts_per_tok=2)
+        hf = MixtralTopKRouter(config)
         ours = stage.moe.TopK(2, renormalize=True, weights_in_logits_dtype=False)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -73,7 +76,8 @@ def test_topk_picks_the_largest_and_renormalises_when_asked(stage):
 
 
 @pytest.mark.task("9.moe_align_block_size")
-@pytest.mark.parametrize("M, E, k, block, skew", [(5, 8, 2, 4, False), (9, 4, 2, 16, False), (12, 16, 4, 4, True)])
+@pytest.mark.parametrize("M, E, k, block, skew",
+                         [(5, 8, 2, 4, False), (9, 4, 2, 16, False), (12, 16, 4, 4, True)])
 def test_align_sorts_slots_by_expert_into_padded_blocks(stage, M, E, k, block, skew):
     _, ids = routing(M, E, k, seed=M, skew=skew)
     sorted_ids, expert_ids, num_post = stage.moe.moe_align_block_size(ids, block, E)
@@ -81,7 +85,7 @@ def test_align_sorts_slots_by_expert_into_padded_blocks(stage, M, E, k, block, s
     flat, S = ids.flatten(), M * k
     counts = torch.bincount(flat, minlength=E)
     n = int(num_post)
-    assert n == sum(-(-int(c) // block) * block for c in counts), "each expert's run padded to the block"
+    assert n == sum(-(-int(c) // block) * block for c in counts), "each run padded to the block"
     assert sorted_ids.numel() == expert_ids.numel() * block >= n and (sorted_ids[n:] == S).all()
     real = sorted_ids[:n].view(-1, block)
     assert sorted(real[real < S].tolist()) == list(range(S)), "every slot exactly once"
@@ -93,9 +97,11 @@ def test_align_sorts_slots_by_expert_into_padded_blocks(stage, M, E, k, block, s
 
 @pytest.mark.task("9.moe_align_block_size")
 def test_align_output_sizes_depend_on_shapes_only(stage):
-    """No host sync: the output lengths are known from M, k, E and the block, whatever the routing."""
-    sizes = {tuple(t.numel() for t in stage.moe.moe_align_block_size(routing(10, 8, 2, skew=s)[1], 4, 8))
-             for s in (False, True)}
+    """No host sync: the output lengths follow from M, k, E and the block, whatever the routing."""
+    sizes = set()
+    for skew in (False, True):
+        outputs = stage.moe.moe_align_block_size(routing(10, 8, 2, skew=skew)[1], 4, 8)
+        sizes.add(tuple(t.numel() for t in outputs))
     assert len(sizes) == 1
 
 
@@ -138,12 +144,13 @@ def load_moe(stage, rank, tp, w1, w3, w2, stacked=False):
 def test_expert_loader_keeps_each_rank_slice(stage, stacked):
     gen = torch.Generator().manual_seed(6)
     E, H, I = 3, 8, 6
-    w1, w3, w2 = torch.randn(E, I, H, generator=gen), torch.randn(E, I, H, generator=gen), torch.randn(E, H, I,
-                                                                                                   generator=gen)
+    w1, w3 = torch.randn(E, I, H, generator=gen), torch.randn(E, I, H, generator=gen)
+    w2 = torch.randn(E, H, I, generator=gen)
     for rank in range(2):
         moe = load_moe(stage, rank, 2, w1, w3, w2, stacked)
         rows = slice(3 * rank, 3 * rank + 3)
-        assert torch.equal(moe.w13_weight, torch.cat([w1[:, rows], w3[:, rows]], dim=1)), "[gate slice | up slice]"
+        want = torch.cat([w1[:, rows], w3[:, rows]], dim=1)
+        assert torch.equal(moe.w13_weight, want), "[its gate slice | its up slice]"
         assert torch.equal(moe.w2_weight, w2[:, :, rows])
 
 
@@ -151,14 +158,14 @@ def test_expert_loader_keeps_each_rank_slice(stage, stacked):
 def test_expert_ranks_partial_sums_add_up_and_bad_shapes_are_refused(stage):
     gen = torch.Generator().manual_seed(7)
     E, H, I = 4, 8, 6
-    w1, w3, w2 = torch.randn(E, I, H, generator=gen), torch.randn(E, I, H, generator=gen), torch.randn(E, H, I,
-                                                                                                   generator=gen)
+    w1, w3 = torch.randn(E, I, H, generator=gen), torch.randn(E, I, H, generator=gen)
+    w2 = torch.randn(E, H, I, generator=gen)
     x, (weights, ids) = torch.randn(5, H, generator=gen), routing(5, E, 2, seed=8)
     whole = load_moe(stage, 0, 1, w1, w3, w2)
     want = dense_moe(x, torch.cat([w1, w3], 1), w2, weights, ids)
     torch.testing.assert_close(dense_moe(x, whole.w13_weight, whole.w2_weight, weights, ids), want)
     halves = [load_moe(stage, r, 2, w1, w3, w2) for r in range(2)]
-    parts = [dense_moe(x, m.w13_weight, m.w2_weight, weights, ids) for m in halves]  # each rank's slice of I
-    torch.testing.assert_close(parts[0] + parts[1], want, atol=1e-4, rtol=1e-4)  # what the all-reduce adds up
+    parts = [dense_moe(x, m.w13_weight, m.w2_weight, weights, ids) for m in halves]  # I/2 each
+    torch.testing.assert_close(parts[0] + parts[1], want, atol=1e-4, rtol=1e-4)  # the all-reduce
     with pytest.raises(ValueError, match="shape"):
         whole.w2_weight.weight_loader(whole.w2_weight, w2[0].T, (0, "w2"))
