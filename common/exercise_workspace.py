@@ -215,12 +215,13 @@ class Workspace:
     def status(self, t: Task, state: dict) -> str:
         if not self.exists or t.id not in state["started"]:
             return "not started"
+        source = self.source(t)
         try:
-            source = self.source(t)
+            parse(source, t.file)
             if any(is_stub(source, q) for q in t.symbols):
                 return "todo"
         except SourceError as e:
-            return f"does not parse ({e})"
+            return str(e)
         last = state["results"].get(t.id)
         if last is None or last["digest"] != digest(source, list(t.symbols)):
             return "written, not checked"

@@ -88,6 +88,11 @@ def rel(path: Path) -> str:
         return str(path)
 
 
+def in_order(ids: set[str]) -> list[str]:
+    """Task ids in the catalogue's order (the order to write them in)."""
+    return [t.id for t in TASKS if t.id in ids]
+
+
 def chosen(args) -> list[Task]:
     return [task(t, args.stage) for t in args.tasks] if args.tasks else stage_tasks(args.stage)
 
@@ -172,7 +177,7 @@ def cmd_start(args) -> int:
         state = w.state()
         tasks = [t for t in tasks if t.id not in state["started"]]
         stub_tasks(w.pkg, tasks)
-        state["started"] += [t.id for t in tasks]
+        state["started"] = in_order(set(state["started"]) | {t.id for t in tasks})
     w.save(state)
     print(f"Workspace {rel(w.pkg)}: a copy of {w.pkg.name}, imported instead of it by check.")
     print("Write these functions (each body raises NotImplementedError with a hint until you do):")
@@ -197,8 +202,10 @@ def cmd_check(args) -> int:
     stale = []
     if not args.reference:
         for t, r in zip(tasks, results):
-            state["results"][t.id] = {"passed": r["passed"],
-                                      "digest": ws.digest(w.source(t), list(t.symbols))}
+            mine = ws.digest(w.source(t), list(t.symbols))
+            state["results"][t.id] = {"passed": r["passed"], "digest": mine}
+            # For a grader: the course's own code, as `reset` or a copied `solution` leaves it.
+            r["same_as_reference"] = mine == ws.digest(w.reference(t), list(t.symbols))
         w.save(state)
         stale = w.stale_files(state)
     passed = sum(r["passed"] for r in results)
@@ -215,7 +222,7 @@ def cmd_check(args) -> int:
         failed = f", {len(r['failed'])} failed" if r["failed"] else ""
         print(f"{'PASS' if r['passed'] else 'FAIL'}  {r['id']}  ({r['tests']} tests{failed})")
         for f in r["failed"][:1]:
-            print(f"      {f['test']} ({f['location']}):")
+            print(f"      {f['test']}" + (f" ({f['location']}):" if f["location"] else ":"))
             print(describe_failure(f["message"] or "", r["id"]))
     print(f"{passed}/{len(results)} tasks pass")
     return 0 if passed == len(results) else 1
@@ -259,7 +266,7 @@ def cmd_reset(args) -> int:
         path = w.pkg / t.file
         restored = ws.replace_defs(w.source(t), w.reference(t), list(t.symbols), str(path))
         path.write_text(restored, encoding="utf-8")
-        state["started"] = sorted(set(state["started"]) | {t.id})
+        state["started"] = in_order(set(state["started"]) | {t.id})
         print(f"{t.id}: the reference {', '.join(t.symbols)} put back in {rel(path)}")
     w.save(state)
     return 0
