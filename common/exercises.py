@@ -327,7 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # `check 6 --json evict`: tasks after an option
+        if not hasattr(args, "tasks") or any(e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.tasks += extra
     try:
         return args.fn(args)
     except (ExerciseError, ws.SourceError) as e:
