@@ -134,6 +134,17 @@ def test_every_task_fails_on_its_stub_and_passes_on_the_reference(tmp_path):
         assert not extra, f"{o['test']} stopped at the stub of {extra}: add it to the task's needs"
 
 
+def test_selecting_tasks_leaves_the_rest_of_the_suite_alone():
+    env = dict(os.environ, SGLZ_EXERCISE_TASKS="6.evict")
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+           "tests/exercises/stage6.py", "tests/test_setup_errors.py"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True).stdout
+    ids = [line for line in out.splitlines() if "::" in line]
+    assert any(i.startswith("tests/test_setup_errors.py::") for i in ids), out
+    ours = [i for i in ids if i.startswith("tests/exercises/")]
+    assert ours and all("test_evict" in i for i in ours), ours
+
+
 # ---------------------------------------------------------------- a learner's session
 def run_cli(capsys, *args) -> tuple[int, str]:
     code = exercises.main(list(args))
