@@ -243,7 +243,8 @@ def cmd_hint(args) -> int:
             print("\n".join(f"{indent}# {line}" for line in textwrap.wrap(hint, 96 - len(indent))))
         if t.needs:
             print(f"\n  its tests also run: {', '.join(t.needs)}")
-        print(f"  tests: tests/exercises/stage{args.stage}.py: {', '.join(tests.get(t.id, []))}\n")
+        names = f"tests/exercises/stage{args.stage}.py: {', '.join(tests.get(t.id, []))}"
+        print(textwrap.fill(names, 98, initial_indent="  tests: ", subsequent_indent="    ") + "\n")
     return 0
 
 
