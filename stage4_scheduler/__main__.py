@@ -8,12 +8,11 @@ import sys
 import time
 
 from . import LLM, SamplingParams
-from .attention import BACKENDS
+from .server_args import ServerArgs
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m stage4_scheduler", description=__doc__)
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="short name or local HF folder")
     parser.add_argument("--prompt", action="append", help="repeat for several requests")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="wrap each prompt in the model's chat template (default on)")
@@ -29,30 +28,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
-                        help="weights and KV cache dtype, converted at load; auto = the checkpoint's own")
-    parser.add_argument("--attention-backend", default=None, choices=BACKENDS,
-                        help="default: triton on CUDA, torch on CPU")
-    parser.add_argument("--max-total-tokens", type=int, default=None,
-                        help="KV pool size in tokens (default: sized from memory)")
-    parser.add_argument("--mem-fraction-static", type=float, default=None,
-                        help="memory share for weights + KV cache (default: 0.88 of a GPU; CPU: 0.25 of the "
-                             "available RAM for the KV cache, at most 1 GiB)")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--max-running-requests", type=int, default=128)
-    parser.add_argument("--max-prefill-tokens", type=int, default=16384,
-                        help="prefill batch limit when chunking is off (a longer first prompt still runs whole)")
-    parser.add_argument("--chunked-prefill-size", type=int, default=512,
-                        help="prefill tokens per batch; the prompt crossing it is cut into chunks (-1: no chunking)")
-    parser.add_argument("--schedule-conservativeness", type=float, default=1.0,
-                        help="scales the admission estimate new_token_ratio (higher: admit fewer, preempt less)")
-    parser.add_argument("--log-interval", type=int, default=0, help="log throughput every N decode steps")
     parser.add_argument("--memory-report", action="store_true",
                         help="print what the weights and the KV cache cost, then the load statistics")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                        help="loading progress bar (default: when stderr is a terminal)")
     parser.add_argument("--quiet", action="store_true", help="no one-line load report")
+    ServerArgs.add_cli_args(parser.add_argument_group("engine options (ServerArgs, server_args.py)"))
     args = parser.parse_args(argv)
     prompts = args.prompt or ["What is the capital of France? Answer in one paragraph.",
                               "Write a haiku about the sea.", "List three uses of a paperclip."]
@@ -64,12 +43,7 @@ def main(argv: list[str] | None = None) -> None:
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
             min_p=args.min_p, repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
             presence_penalty=args.presence_penalty, stop=args.stop, seed=args.seed, ignore_eos=args.ignore_eos)
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-                  max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
-                  page_size=args.page_size, max_running_requests=args.max_running_requests,
-                  max_prefill_tokens=args.max_prefill_tokens, chunked_prefill_size=args.chunked_prefill_size,
-                  schedule_conservativeness=args.schedule_conservativeness,
-                  log_interval=args.log_interval, progress=args.progress, verbose=not args.quiet)
+        llm = LLM.from_server_args(ServerArgs.from_cli_args(args), verbose=not args.quiet)
         if args.memory_report:
             print_memory_report(llm)
         inputs = [llm.apply_chat_template(p) if args.chat and p else p for p in prompts]
@@ -86,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             results = llm.generate(inputs, params)
         elapsed = time.perf_counter() - start
-    except (ValueError, FileNotFoundError) as exc:  # UnsupportedModelError, CheckpointError included
+    except (ValueError, FileNotFoundError) as exc:  # bad options, UnsupportedModelError, CheckpointError
         parser.exit(2, f"error: {exc}\n")
     if results is not None:
         texts = [f"error: {r.error}" if r.error else r.text for r in results]

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Iterator, Sequence, Union
 
@@ -17,6 +17,7 @@ import torch
 from .core import Req, SamplingParams
 from .engine import Engine
 from .scheduler import Scheduler, StepOutput
+from .server_args import ServerArgs
 from .tokenizer import Messages, Tokenizer, TokenizerConfig
 
 Prompt = Union[str, list[int]]
@@ -70,45 +71,42 @@ class StreamChunk:
 
 
 class LLM:
-    def __init__(self, model: str | Path = "smollm2-135m-instruct", device: str = "cpu",
-                 dtype: str | torch.dtype = "float32", attention_backend: str | None = None,
-                 page_size: int = 16, max_running_requests: int = 128, max_total_tokens: int | None = None,
-                 mem_fraction_static: float | None = None, max_prefill_tokens: int = 16384,
-                 chunked_prefill_size: int = 512, schedule_conservativeness: float = 1.0, log_interval: int = 0,
-                 record_stats: bool = False, tokenizer_config: TokenizerConfig | None = None,
-                 progress: bool | None = None, verbose: bool = True, disable_cuda_graph: bool = False,
-                 cuda_graph_max_bs: int = 64, disable_overlap: bool | None = None,
-                 disable_radix_cache: bool = False, schedule_policy: str = "lpm",
-                 enable_torch_compile: bool = False, torch_compile_max_bs: int = 8):
-        """dtype: float32, bfloat16, float16 or "auto" (the checkpoint's). max_total_tokens / mem_fraction_static:
-        the KV pool's size (engine.plan_kv_pool). max_prefill_tokens, chunked_prefill_size, schedule_conservativeness:
-        admission (scheduler/prefill.py). progress: a loading progress bar (None: when stderr is a terminal).
-        verbose: print one line on load with the memory report and the KV pool's size. disable_radix_cache: no
-        prefix cache (stage 5's engine). schedule_policy: "lpm" (longest cached prefix first) or "fcfs".
+    def __init__(self, model: str | Path = ServerArgs.model_path, device: str = "cpu",
+                 dtype: str | torch.dtype = "float32", *, tokenizer_config: TokenizerConfig | None = None,
+                 verbose: bool = True, **options):
+        """model, device, dtype and every other option (page_size=..., max_running_requests=...): the fields of
+        ServerArgs (server_args.py holds their defaults, help and checks); an unknown one is a TypeError naming it.
+        verbose: print one line on load with the memory report and the KV pool's size.
 
-        disable_overlap: None (default) overlaps on CUDA and not on a CPU; False forces it on, True off.
-        enable_torch_compile (CPU): decode batches of up to torch_compile_max_bs run compiled code (graph.py).
         With overlap on, the LLM owns a device-worker thread: `close()` (or `with LLM(...) as llm:`) stops it; an
         LLM that is garbage-collected, or still open when the interpreter exits, is closed then."""
-        self.model_path = resolve_model_path(model)
+        self.server_args = args = ServerArgs.from_kwargs(model_path=model, device=device, dtype=dtype, **options)
+        self.model_path = resolve_model_path(args.model_path)
         self.tokenizer = Tokenizer(self.model_path, tokenizer_config)
-        self.engine = Engine(self.model_path, device=device, dtype=dtype, attention_backend=attention_backend,
-                             page_size=page_size, max_running_requests=max_running_requests,
-                             max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
-                             eos_token_ids=self.tokenizer.eos_token_ids, progress=progress, verbose=verbose,
-                             cuda_graph=not disable_cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
-                             enable_torch_compile=enable_torch_compile, torch_compile_max_bs=torch_compile_max_bs)
+        self.engine = Engine(self.model_path, device=args.device, dtype=args.dtype,
+                             attention_backend=args.attention_backend, page_size=args.page_size,
+                             max_running_requests=args.max_running_requests, max_total_tokens=args.max_total_tokens,
+                             mem_fraction_static=args.mem_fraction_static, eos_token_ids=self.tokenizer.eos_token_ids,
+                             progress=args.progress, verbose=verbose, cuda_graph=not args.disable_cuda_graph,
+                             cuda_graph_max_bs=args.cuda_graph_max_bs, enable_torch_compile=args.enable_torch_compile,
+                             torch_compile_max_bs=args.torch_compile_max_bs)
         if self.tokenizer.config.max_length is None:  # leave room for at least one generated token
             self.tokenizer.config.max_length = self.engine.max_context_len - 1
-        self.scheduler = Scheduler(self.engine, self.tokenizer, max_prefill_tokens=max_prefill_tokens,
-                                   chunked_prefill_size=chunked_prefill_size,
-                                   schedule_conservativeness=schedule_conservativeness,
-                                   log_interval=log_interval, record_stats=record_stats,
-                                   overlap=None if disable_overlap is None else not disable_overlap,
-                                   disable_radix_cache=disable_radix_cache, schedule_policy=schedule_policy)
+        self.scheduler = Scheduler(self.engine, self.tokenizer, max_prefill_tokens=args.max_prefill_tokens,
+                                   chunked_prefill_size=args.chunked_prefill_size,
+                                   schedule_conservativeness=args.schedule_conservativeness,
+                                   log_interval=args.log_interval, record_stats=args.record_stats,
+                                   overlap=None if args.disable_overlap is None else not args.disable_overlap,
+                                   disable_radix_cache=args.disable_radix_cache, schedule_policy=args.schedule_policy)
         # Runs once: at close(), when the LLM is garbage-collected, or at interpreter exit (weakref.finalize).
         self._closer = weakref.finalize(self, self.scheduler.shutdown)
         self._next_rid = 0
+
+    @classmethod
+    def from_server_args(cls, server_args: ServerArgs, **kwargs) -> "LLM":
+        """The LLM of a ServerArgs built already (the command line's). kwargs: tokenizer_config, verbose."""
+        options = {f.name: getattr(server_args, f.name) for f in fields(server_args)}
+        return cls(options.pop("model_path"), **options, **kwargs)
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import random
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Iterator, Sequence, Union
 
@@ -22,6 +22,7 @@ from .distributed import SINGLE, TPError, broadcast_object, check_not_importing_
 from .engine import check_device
 from .models import ModelConfig, check_tp_size
 from .scheduler import StepOutput
+from .server_args import ServerArgs
 from .tokenizer import Messages, TokenizerConfig
 from . import tp_worker
 from .tp_worker import (AbortRequest, AddRequest, Command, FlushCache, RankSpec, abandon_ranks, build_rank,
@@ -78,23 +79,12 @@ class StreamChunk:
 
 
 class LLM:
-    def __init__(self, model: str | Path = "smollm2-135m-instruct", device: str = "cpu",
-                 dtype: str | torch.dtype = "float32", attention_backend: str | None = None,
-                 page_size: int = 16, max_running_requests: int = 128, max_total_tokens: int | None = None,
-                 mem_fraction_static: float | None = None, max_prefill_tokens: int = 16384,
-                 chunked_prefill_size: int = 512, schedule_conservativeness: float = 1.0, log_interval: int = 0,
-                 record_stats: bool = False, tokenizer_config: TokenizerConfig | None = None,
-                 progress: bool | None = None, verbose: bool = True, disable_cuda_graph: bool = False,
-                 cuda_graph_max_bs: int = 64, disable_overlap: bool | None = None,
-                 disable_radix_cache: bool = False, schedule_policy: str = "lpm", tp_size: int = 1, nnodes: int = 1,
-                 dist_init_addr: str | None = None, load_format: str = "auto",
-                 enable_tp_sync_check: bool = False,
-                 enable_torch_compile: bool = False, torch_compile_max_bs: int = 8):
-        """dtype: float32, bfloat16, float16 or "auto" (the checkpoint's). max_total_tokens / mem_fraction_static:
-        the KV pool's size (engine.plan_kv_pool). max_prefill_tokens, chunked_prefill_size, schedule_conservativeness:
-        admission (scheduler/prefill.py). progress: a loading progress bar (None: when stderr is a terminal).
-        verbose: print one line on load with the memory report and the KV pool's size. disable_radix_cache: no
-        prefix cache (stage 5's engine). schedule_policy: "lpm" (longest cached prefix first) or "fcfs".
+    def __init__(self, model: str | Path = ServerArgs.model_path, device: str = "cpu",
+                 dtype: str | torch.dtype = "float32", *, tokenizer_config: TokenizerConfig | None = None,
+                 verbose: bool = True, **options):
+        """model, device, dtype and every other option (page_size=..., max_running_requests=...): the fields of
+        ServerArgs (server_args.py holds their defaults, help and checks); an unknown one is a TypeError naming it.
+        verbose: print one line on load with the memory report and the KV pool's size.
 
         Stage 7: tp_size > 1 splits the model over that many ranks: this process is rank 0, the others are spawned
         (a script doing this must create the LLM under `if __name__ == "__main__":`, as with any spawned process).
@@ -105,32 +95,23 @@ class LLM:
         raise TPDivergenceError naming the step and the ranks that differ (one gather over the control group per
         step: a debugging guard, off by default).
 
-        disable_overlap: None (default) overlaps on CUDA and not on a CPU; False forces it on, True off.
-        enable_torch_compile (CPU): decode batches of up to torch_compile_max_bs run compiled code (graph.py).
         With overlap on, the LLM owns a device-worker thread: `close()` (or `with LLM(...) as llm:`) stops it, and
         the other ranks; an LLM that is garbage-collected, or still open when the interpreter exits, is closed then."""
-        if tp_size > 1:
-            check_not_importing_main(f"LLM(tp_size={tp_size})")
-        self.model_path = resolve_model_path(model)
-        if nnodes > 1 and dist_init_addr is None:
-            raise ValueError("nnodes > 1 needs dist_init_addr (host:port of rank 0, reachable from every node)")
-        spec = rank_spec(self.model_path, tokenizer_config, tp_size, nnodes, dict(
-            device=device, dtype=dtype, attention_backend=attention_backend, page_size=page_size,
-            max_running_requests=max_running_requests, max_total_tokens=max_total_tokens,
-            mem_fraction_static=mem_fraction_static, progress=progress, disable_cuda_graph=disable_cuda_graph,
-            cuda_graph_max_bs=cuda_graph_max_bs, enable_torch_compile=enable_torch_compile,
-            torch_compile_max_bs=torch_compile_max_bs, load_format=load_format, max_prefill_tokens=max_prefill_tokens,
-            chunked_prefill_size=chunked_prefill_size, schedule_conservativeness=schedule_conservativeness,
-            log_interval=log_interval, record_stats=record_stats, disable_overlap=disable_overlap,
-            disable_radix_cache=disable_radix_cache, schedule_policy=schedule_policy,
-            enable_tp_sync_check=enable_tp_sync_check))
-        self.tp_size, self._control, self._ranks, tp = tp_size, None, None, SINGLE
-        if tp_size > 1:
+        self.server_args = args = ServerArgs.from_kwargs(model_path=model, device=device, dtype=dtype, **options)
+        if args.node_rank != 0:
+            raise ValueError(f"node_rank={args.node_rank}: the LLM runs on node 0; another node serves its ranks "
+                             "with serve_node (python -m stage7_tp --node-rank N)")
+        if args.tp_size > 1:
+            check_not_importing_main(f"LLM(tp_size={args.tp_size})")
+        self.model_path = resolve_model_path(args.model_path)
+        spec = RankSpec(self.model_path, tokenizer_config, args)
+        self.tp_size, self._control, self._ranks, tp = args.tp_size, None, None, SINGLE
+        if args.tp_size > 1:
             config = ModelConfig.from_hf(json.loads((self.model_path / "config.json").read_text()))
-            check_tp_size(config, tp_size)  # before any rank is started
-            if device != "cpu":
+            check_tp_size(config, args.tp_size)  # before any rank is started
+            if args.device != "cpu":
                 check_device(spec.device_for(spec.ranks_per_node - 1))  # every rank of this node needs its GPU
-            tp, self._control, self._ranks = start_ranks(spec, dist_init_addr or f"127.0.0.1:{free_port()}")
+            tp, self._control, self._ranks = start_ranks(spec, args.dist_init_addr or f"127.0.0.1:{free_port()}")
         self._pending = Command()  # the control operations of this turn, applied by every rank at the next step
         try:
             self.tokenizer, self.engine, self.scheduler = self._collective(
@@ -141,6 +122,12 @@ class LLM:
         # Runs once: at close(), when the LLM is garbage-collected, or at interpreter exit (weakref.finalize).
         self._closer = weakref.finalize(self, shutdown_ranks, self.scheduler, self._control, self._ranks)
         self._next_rid = 0
+
+    @classmethod
+    def from_server_args(cls, server_args: ServerArgs, **kwargs) -> "LLM":
+        """The LLM of a ServerArgs built already (the command line's). kwargs: tokenizer_config, verbose."""
+        options = {f.name: getattr(server_args, f.name) for f in fields(server_args)}
+        return cls(options.pop("model_path"), **options, **kwargs)
 
     def _collective(self, fn):
         """Run fn (which meets the other ranks); if a rank failed, say which, with its traceback."""
@@ -305,34 +292,14 @@ class LLM:
         return results
 
 
-ENGINE_OPTIONS = ("device", "dtype", "attention_backend", "page_size", "max_running_requests", "max_total_tokens",
-                  "mem_fraction_static", "progress", "cuda_graph_max_bs", "enable_torch_compile",
-                  "torch_compile_max_bs", "load_format")
-SCHEDULER_OPTIONS = ("max_prefill_tokens", "chunked_prefill_size", "schedule_conservativeness", "log_interval",
-                     "record_stats", "disable_radix_cache", "schedule_policy")
-
-
-def rank_spec(model_path: Path, tokenizer_config, tp_size: int, nnodes: int, options: dict) -> RankSpec:
-    """The LLM's options, split into what each rank's Engine and Scheduler take."""
-    if tp_size < 1 or nnodes < 1 or tp_size % nnodes:
-        raise ValueError(f"tp_size ({tp_size}) must be a positive multiple of nnodes ({nnodes})")
-    engine = {k: options[k] for k in ENGINE_OPTIONS}
-    engine["cuda_graph"] = not options["disable_cuda_graph"]
-    scheduler = {k: options[k] for k in SCHEDULER_OPTIONS}
-    disable_overlap = options["disable_overlap"]
-    scheduler["overlap"] = None if disable_overlap is None else not disable_overlap  # None: on CUDA only
-    return RankSpec(model_path, tokenizer_config, engine, scheduler, tp_size, nnodes,
-                    options.get("enable_tp_sync_check", False))
-
-
-def serve_node(model: str | Path, node_rank: int, tp_size: int, nnodes: int, dist_init_addr: str,
-               tokenizer_config: TokenizerConfig | None = None, **options) -> None:
-    """Run node `node_rank` (> 0) of a multi-node tensor-parallel engine: its tp_size / nnodes ranks, until rank 0
-    (the LLM on node 0, with the same options) shuts them down. `python -m stage7_tp --node-rank N` calls this."""
-    if not 0 < node_rank < nnodes:
-        raise ValueError(f"node_rank must be in [1, {nnodes}) here; node 0 runs the LLM itself")
-    spec = rank_spec(resolve_model_path(model), tokenizer_config, tp_size, nnodes, options)
-    tp_worker.serve_node(spec, node_rank, dist_init_addr)
+def serve_node(server_args: ServerArgs, tokenizer_config: TokenizerConfig | None = None) -> None:
+    """Run node server_args.node_rank (> 0) of a multi-node tensor-parallel engine: its tp_size / nnodes ranks,
+    until rank 0 (the LLM on node 0, with the same options) shuts them down. `python -m stage7_tp --node-rank N`
+    calls this."""
+    if server_args.node_rank == 0:
+        raise ValueError(f"node_rank must be in [1, {server_args.nnodes}) here; node 0 runs the LLM itself")
+    spec = RankSpec(resolve_model_path(server_args.model_path), tokenizer_config, server_args)
+    tp_worker.serve_node(spec, server_args.node_rank, server_args.dist_init_addr)
 
 
 def _as_prompt_list(prompts) -> list:

@@ -40,6 +40,7 @@ from .distributed import (SINGLE, LocalRanks, TPError, TPInfo, broadcast_object,
                           init_process_groups)
 from .engine import Engine, check_device
 from .scheduler import Scheduler
+from .server_args import ServerArgs
 from .tokenizer import Tokenizer, TokenizerConfig
 
 
@@ -47,20 +48,20 @@ from .tokenizer import Tokenizer, TokenizerConfig
 class RankSpec:
     """Everything a rank needs to build its part of the engine (sent to the spawned ranks, so: picklable)."""
 
-    model_path: Path
+    model_path: Path  # resolved: every rank loads the same folder
     tokenizer_config: TokenizerConfig | None
-    engine: dict  # Engine keyword arguments (device is per rank: see device_for)
-    scheduler: dict  # Scheduler keyword arguments
-    tp_size: int = 1
-    nnodes: int = 1
-    enable_tp_sync_check: bool = False  # compare every step's batch and tokens across ranks (check_in_sync)
+    server_args: ServerArgs  # every option (the device is per rank: see device_for)
+
+    @property
+    def tp_size(self) -> int:
+        return self.server_args.tp_size
 
     @property
     def ranks_per_node(self) -> int:
-        return self.tp_size // self.nnodes
+        return self.server_args.tp_size // self.server_args.nnodes
 
     def device_for(self, rank: int) -> str:
-        device = check_device(self.engine["device"])  # an unknown or missing device is named here, on rank 0
+        device = check_device(self.server_args.device)  # an unknown or missing device is named here, on rank 0
         if device.type != "cuda" or self.tp_size == 1:
             return str(device)
         return f"cuda:{rank % self.ranks_per_node}"  # one GPU per rank of a node
@@ -108,14 +109,27 @@ class Command:
 def build_rank(spec: RankSpec, rank: int, tp: TPInfo = SINGLE, control=None, verbose: bool = True):
     """-> (tokenizer, engine, scheduler) of one rank. Every rank builds the same way, in the same order: the
     engine's constructor meets the other ranks once (to agree on the KV pool's size)."""
+    args = spec.server_args
     tokenizer = Tokenizer(spec.model_path, spec.tokenizer_config)
-    engine = Engine(spec.model_path, **{**spec.engine, "device": spec.device_for(rank)}, verbose=verbose,
-                    eos_token_ids=tokenizer.eos_token_ids, tp=tp, control_group=control)
+    engine = Engine(spec.model_path, device=spec.device_for(rank), dtype=args.dtype,
+                    attention_backend=args.attention_backend, page_size=args.page_size,
+                    max_running_requests=args.max_running_requests, max_total_tokens=args.max_total_tokens,
+                    mem_fraction_static=args.mem_fraction_static, eos_token_ids=tokenizer.eos_token_ids,
+                    progress=args.progress, verbose=verbose, cuda_graph=not args.disable_cuda_graph,
+                    cuda_graph_max_bs=args.cuda_graph_max_bs, load_format=args.load_format,
+                    enable_torch_compile=args.enable_torch_compile, torch_compile_max_bs=args.torch_compile_max_bs,
+                    tp=tp, control_group=control, moe_runner_backend=args.moe_runner_backend)
     if tokenizer.config.max_length is None:  # leave room for at least one generated token
         tokenizer.config.max_length = engine.max_context_len - 1
     # Ranks 1+ hand no text to anyone: they detokenize only what stop strings need.
-    scheduler = Scheduler(engine, tokenizer, **spec.scheduler, stream_text=rank == 0)
-    if spec.enable_tp_sync_check and tp.size > 1:
+    scheduler = Scheduler(engine, tokenizer, max_prefill_tokens=args.max_prefill_tokens,
+                          chunked_prefill_size=args.chunked_prefill_size,
+                          schedule_conservativeness=args.schedule_conservativeness, log_interval=args.log_interval,
+                          record_stats=args.record_stats,
+                          overlap=None if args.disable_overlap is None else not args.disable_overlap,
+                          disable_radix_cache=args.disable_radix_cache, schedule_policy=args.schedule_policy,
+                          stream_text=rank == 0)
+    if args.enable_tp_sync_check and tp.size > 1:
         scheduler.tp_sync_check = functools.partial(check_in_sync, control_group=control)
     return tokenizer, engine, scheduler
 

@@ -20,9 +20,9 @@ from common.golden import failures, load_golden
 from common.models import resolve_model
 from stage7_tp import LLM, SamplingParams, tp_worker
 from stage7_tp.distributed import TPDivergenceError, TPError, describe_divergence, free_port, valid_tp_sizes
-from stage7_tp.llm import rank_spec
+from stage7_tp.server_args import ServerArgs
 from stage7_tp.core import Req
-from stage7_tp.tp_worker import Command, build_rank
+from stage7_tp.tp_worker import Command, RankSpec, build_rank
 
 TINY = ["tiny-llama", "tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"]
 
@@ -224,9 +224,9 @@ def test_control_operations_wait_for_the_next_step_and_leave_nothing_behind(tiny
 
 def test_ranks_after_0_hand_out_no_text_and_stop_where_rank_0_does(tiny_llama_path):
     """A follower's outputs go to nobody: it detokenizes only for stop strings, and stops where rank 0 stops."""
-    options = {**tp_checks.llm_defaults(LLM), "attention_backend": "torch", "max_total_tokens": 2048,
-               "progress": False}
-    spec = rank_spec(tiny_llama_path, None, 1, 1, options)
+    args = ServerArgs(model_path=str(tiny_llama_path), attention_backend="torch", max_total_tokens=2048,
+                      progress=False)
+    spec = RankSpec(tiny_llama_path, None, args)
     runs = {}
     for rank in (0, 1):
         _, _, scheduler = build_rank(spec, rank, verbose=False)  # tp 1: the whole model, built as rank `rank`

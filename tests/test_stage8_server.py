@@ -417,11 +417,17 @@ def test_a_dead_worker_stops_the_server(tiny_llama_path, victim):
 
 
 def test_a_failed_start_names_the_process_and_exits(tiny_llama_path):
+    # A KV pool that cannot hold one page is found by the scheduler process, once the weights are in memory.
+    proc = subprocess.run([sys.executable, "-m", "stage8_server", "--model", str(tiny_llama_path), "--port", "0",
+                           "--mem-fraction-static", "1e-9"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "error: the scheduler failed to start" in proc.stderr and "no room for a KV cache" in proc.stderr
+    assert "serving" not in proc.stdout
+    # An option that is wrong whatever the model is refused before any process starts.
     proc = subprocess.run([sys.executable, "-m", "stage8_server", "--model", str(tiny_llama_path), "--port", "0",
                            "--max-total-tokens", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1
-    assert "error: the scheduler failed to start" in proc.stderr and "holds no page of 16 tokens" in proc.stderr
-    assert "serving" not in proc.stdout
+    assert proc.returncode == 2 and "max_total_tokens=1 holds no page of 16 tokens" in proc.stderr
+    assert "scheduler" not in proc.stderr and "serving" not in proc.stdout
 
 
 def test_ctrl_c_stops_every_process(tiny_llama_path):

@@ -9,7 +9,6 @@ below are module-level, so the rank can import them by name; a test puts one in 
 from __future__ import annotations
 
 import importlib
-import inspect
 
 
 def flush_and_abort_in_one_turn(llm, params_cls) -> list[tuple[list[int], int]]:
@@ -29,12 +28,6 @@ def flush_and_abort_in_one_turn(llm, params_cls) -> list[tuple[list[int], int]]:
         llm.flush_cache()
         llm.step()
     return results
-
-
-def llm_defaults(llm_cls) -> dict:
-    """The keyword defaults of a stage's LLM(...), e.g. to build a RankSpec without starting ranks."""
-    params = inspect.signature(llm_cls.__init__).parameters.values()
-    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
 
 
 def follower_with_a_wrong_token(stage: str, at_call: int, rank: int, *args) -> None:

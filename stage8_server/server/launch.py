@@ -27,9 +27,10 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from ..server_args import ServerArgs
 from .detokenizer_worker import run_detokenizer_worker
 from .messages import PortArgs
 from .scheduler_process import run_scheduler
@@ -132,31 +133,33 @@ def bind_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-def launch_server(engine_args: dict, host: str = "127.0.0.1", port: int = 30000,
-                  served_model_name: str | None = None, log_level: str = "warning") -> int:
-    """Run the server until SIGINT / SIGTERM or a child's death. Returns the exit status (0: asked to stop)."""
+def launch_server(server_args: ServerArgs, verbose: bool = True) -> int:
+    """Run the server until SIGINT / SIGTERM or a child's death. Returns the exit status (0: asked to stop).
+    server_args.model_path: a resolved folder (every process loads the same one)."""
     import uvicorn  # the server's dependencies, imported only by the process that serves
 
     from .api_server import APIServer, create_app
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SystemExit: the `finally` below stops the children
     launcher = Launcher()
+    host = server_args.host
     try:
-        sock = bind_port(host, port)
+        sock = bind_port(host, server_args.port)
         port = sock.getsockname()[1]  # port 0: the system picked one
-        scheduler = launcher.start("scheduler", run_scheduler, engine_args)
+        scheduler = launcher.start("scheduler", run_scheduler, server_args, verbose)
         info = launcher.wait_ready(scheduler)
-        model_path = str(engine_args["model"])
+        model_path = server_args.model_path
         tokenizer = launcher.start("tokenizer worker", run_tokenizer_worker, model_path, info)
         detokenizer = launcher.start("detokenizer worker", run_detokenizer_worker, model_path)
         launcher.wait_ready(tokenizer)
         launcher.wait_ready(detokenizer)
 
-        name = served_model_name or model_path
-        server_info = {"model_path": model_path, "engine_args": {k: str(v) for k, v in engine_args.items()},
+        name = server_args.served_model_name or model_path
+        server_info = {"model_path": model_path,
+                       "server_args": {f.name: str(getattr(server_args, f.name)) for f in fields(server_args)},
                        "processes": {"api_server": os.getpid(), **{c.name: c.process.pid for c in launcher.children}}}
         app = create_app(launcher.ports, name, info, server_info)
-        server = APIServer(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2))
+        server = APIServer(uvicorn.Config(app, log_level=server_args.log_level, timeout_graceful_shutdown=2))
 
         def on_death(message: str) -> None:
             loop = getattr(app.state, "loop", None)

@@ -23,6 +23,7 @@ import zmq
 from ..core import Req
 from ..llm import LLM
 from ..scheduler import StepOutput
+from ..server_args import ServerArgs
 from .messages import (AbortReq, BatchTokenIDOut, BatchTokenizedGenerateReqInput, ControlOut, ControlReq,
                        EngineInfo, PortArgs, ReqOutput, TokenizedGenerateReqInput, TokenLogprob, error_output)
 from .process import POLL_TIMEOUT_MS, ChildProcess, open_sockets
@@ -149,7 +150,7 @@ class SchedulerLoop:
                 "integrity": integrity, "pid": os.getpid()}
 
 
-def run_scheduler(engine_args: dict, ports: PortArgs, ready_conn) -> None:
+def run_scheduler(server_args: ServerArgs, verbose: bool, ports: PortArgs, ready_conn) -> None:
     """Entry point of the scheduler process: build the engine and its Scheduler, say ready, loop.
 
     Under tensor parallelism one such process runs per rank, each with its share of the weights. Rank 0 alone
@@ -157,10 +158,10 @@ def run_scheduler(engine_args: dict, ports: PortArgs, ready_conn) -> None:
     aborts, flushes, in arrival order) to the other ranks, so that every rank applies the same operations in the
     same order and schedules the same batches; only rank 0 sends outputs on (SGLang's shape)."""
     child = ChildProcess("scheduler", ready_conn)
-    if engine_args.get("log_interval"):  # the scheduler's throughput log (--log-interval) is written here
+    if server_args.log_interval:  # the scheduler's throughput log (--log-interval) is written here
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     try:
-        llm = LLM(**engine_args)  # engine + tokenizer + scheduler, set up exactly as offline
+        llm = LLM.from_server_args(server_args, verbose=verbose)  # engine + tokenizer + scheduler, as offline
         scheduler = llm.scheduler
         scheduler.stream_text = False  # text is the detokenizer's job; stop strings stay here
         engine = llm.engine
