@@ -215,7 +215,7 @@ TASKS = [
     Task("4.preemption", "scheduler/decode.py",
          goal="give every running request its next slot, preempting when the pool is dry",
          readme="The loop (`scheduler/scheduler.py`)",
-         needs=("4.page_allocation",),
+         needs=("4.page_allocation", "4.kv_indices", "4.prefill_adder"),
          symbols={
              "DecodeManager.build":
                  "receives victim_order (a sort key: the smallest is evicted first); returns "
@@ -237,18 +237,6 @@ TASKS = [
                  "receives the sorted buckets and a batch size; returns the smallest bucket that "
                  "holds it. Larger than the last bucket: ValueError.",
          }),
-    Task("5.graph_padding", "graph.py",
-         goal="copy a batch into the graph's static buffers and pad it to its bucket",
-         readme="CUDA graphs (`graph.py`)",
-         needs=("5.graph_buckets",),
-         symbols={
-             "GraphRunner.load_inputs":
-                 "receives a decode ForwardBatch of B requests; returns the bucket bs it replays "
-                 "in. Copies input_ids, positions, out_cache_loc, req_rows, seq_lens into the "
-                 "first B entries of the static buffers with copy_ (a graph reads fixed addresses: "
-                 "never rebind them), and pads rows B..bs-1: token 0, position 0, row 0, seq_len "
-                 "1, K/V into self.dummy_slot.",
-         }),
     Task("5.overlap_results", "scheduler/scheduler.py",
          goal="read a step's tokens one step late: placeholders, stops, deferred frees",
          readme="Overlap scheduling",
@@ -260,6 +248,18 @@ TASKS = [
                  "placeholder), _check_stop(req, token, index + 1); a request finished here drops "
                  "the tokens launched after (output_ids, device_len, cached_len). Then "
                  "remove_finished, and release the deferred requests no inflight batch holds.",
+         }),
+    Task("5.graph_padding", "graph.py",
+         goal="copy a batch into the graph's static buffers and pad it to its bucket",
+         readme="CUDA graphs (`graph.py`)",
+         needs=("5.graph_buckets", "5.overlap_results"),
+         symbols={
+             "GraphRunner.load_inputs":
+                 "receives a decode ForwardBatch of B requests; returns the bucket bs it replays "
+                 "in. Copies input_ids, positions, out_cache_loc, req_rows, seq_lens into the "
+                 "first B entries of the static buffers with copy_ (a graph reads fixed addresses: "
+                 "never rebind them), and pads rows B..bs-1: token 0, position 0, row 0, seq_len "
+                 "1, K/V into self.dummy_slot.",
          }),
     # ------------------------------------------------ stage 6: the radix cache
     Task("6.insert_split", "radix_cache.py",

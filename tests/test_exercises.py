@@ -124,7 +124,8 @@ def test_every_task_fails_on_its_stub_and_passes_on_the_reference(tmp_path):
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     outcomes = json.loads(report.read_text())
     runs = {v: [o for o in outcomes if o["variant"] == v] for v in ("reference", "stub", "all")}
-    assert len(runs["reference"]) == len(runs["stub"]) == len(runs["all"]) > 3 * len(TASKS)
+    assert len(runs["reference"]) == len(runs["stub"]) == len(runs["all"]) >= len(TASKS)
+    assert {o["task"] for o in runs["reference"]} == set(BY_ID), "every task's tests ran"
     assert all(o["outcome"] == "passed" for o in runs["reference"])
     assert all(o["outcome"] == "xfailed" for o in runs["stub"] + runs["all"])
     assert {o["task"] for o in runs["stub"]} == set(BY_ID), "every task was tried on its stub"

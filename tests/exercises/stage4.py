@@ -79,20 +79,6 @@ def test_kv_indices_read_each_key_through_the_page_table(stage):
     assert indices.tolist() == cm.slots(c, 0, 9) + cm.slots(a, 0, 6) + cm.slots(b, 0, 3)
 
 
-def roomy_llm(stage, path):
-    return stage.LLM(str(path), attention_backend="torch", page_size=2, max_total_tokens=512,
-                     verbose=False)
-
-
-@pytest.mark.task("4.kv_indices")
-def test_batched_requests_read_their_own_pages(stage, memo, tiny_llama_path):
-    llm = memo("llm", lambda: roomy_llm(stage, tiny_llama_path))
-    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [40]]  # growing together, their pages interleave
-    params = stage.SamplingParams(max_new_tokens=6, ignore_eos=True)
-    together = [r.token_ids for r in llm.generate(prompts, params)]
-    assert together == [llm.generate([p], params)[0].token_ids for p in prompts]
-
-
 @pytest.mark.task("4.prefill_adder")
 def test_adder_cuts_the_request_that_crosses_the_chunk_budget(stage):
     cm = cache_manager(stage, num_pages=64)
@@ -138,6 +124,11 @@ def test_adder_reserves_pages_for_the_running_by_new_token_ratio(stage, ratio, a
     new = req(stage, 1, 8, max_new_tokens=8)  # 4 pages: 7 free minus what the running one may use
     batch, admitted = adder.build(None, [new], [running], ratio, 1000)
     assert (admitted == [new]) == admits and (batch is not None) == admits
+
+
+def roomy_llm(stage, path):
+    return stage.LLM(str(path), attention_backend="torch", page_size=2, max_total_tokens=512,
+                     verbose=False)
 
 
 def decode_manager(stage, cm, reqs):
