@@ -10,8 +10,10 @@ from . import LLM, SamplingParams
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m stage1_naive", description=__doc__)
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="short name or local HF folder")
-    parser.add_argument("--prompt", default="Write a short story about a robot who learns to paint.")
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="short name or local HF folder")
+    parser.add_argument("--prompt",
+                        default="Write a short story about a robot who learns to paint.")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="wrap the prompt in the model's chat template (default on)")
     parser.add_argument("--max-new-tokens", type=int, default=100)
@@ -27,7 +29,8 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                ignore_eos=args.ignore_eos)
         llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_cache=args.kv_cache)
         prompt = llm.apply_chat_template(args.prompt) if args.chat and args.prompt else args.prompt
         start = time.perf_counter()
@@ -36,8 +39,11 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError, KeyError) as exc:
         parser.exit(2, f"error: {exc}\n")
     print(result.text)
-    print(f"\n[{result.completion_tokens} tokens in {elapsed:.2f} s = {result.completion_tokens / elapsed:.1f} "
-          f"tokens/s; prompt {result.prompt_tokens} tokens; finish_reason={result.finish_reason}]")
+    print(
+        f"\n[{result.completion_tokens} tokens in {elapsed:.2f} s = "
+        f"{result.completion_tokens / elapsed:.1f} "
+        f"tokens/s; prompt {result.prompt_tokens} tokens; finish_reason={result.finish_reason}]"
+    )
 
 
 if __name__ == "__main__":

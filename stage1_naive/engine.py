@@ -1,10 +1,12 @@
-"""Engine v0: one request at a time. Prefill the prompt once, then decode one token per forward pass.
+"""Engine v0: one request at a time. Prefill the prompt once, then decode one token per forward
+pass.
 
     prompt ids --prefill--> logits of the last prompt token --sample--> token 1
-    token 1   --decode----> logits --sample--> token 2   ... until EOS / a stop token / max_new_tokens
+    token 1   --decode----> logits --sample--> token 2   ... until EOS / a stop token /
+                                                         max_new_tokens
 
-Each forward pass feeds only the tokens whose K/V are not cached yet (`req.next_input_ids()`), at positions
-cached_len .. device_len-1.
+Each forward pass feeds only the tokens whose K/V are not cached yet (`req.next_input_ids()`), at
+positions cached_len .. device_len-1.
 """
 
 from __future__ import annotations
@@ -24,17 +26,21 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def check_device(device: str | torch.device) -> torch.device:
-    """The torch.device for `device`, refusing one this machine lacks with a message that says so (not a traceback
-    from deep inside torch at the first allocation)."""
+    """The torch.device for `device`, refusing one this machine lacks with a message that says so
+    (not a traceback from deep inside torch at the first allocation)."""
     try:
         dev = torch.device(device)
     except RuntimeError as e:
         raise ValueError(f"unknown device {device!r} ({e})") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(dev)!r} asked for, but torch {torch.__version__} sees no CUDA GPU here; "
-                         "use device='cpu'")
+        raise ValueError(
+            f"device {str(dev)!r} asked for, but torch {torch.__version__} sees no CUDA GPU here; "
+            "use device='cpu'")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"device {str(dev)!r} asked for, but this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+        raise ValueError(
+            f"device {str(dev)!r} asked for, but this machine has {torch.cuda.device_count()} CUDA "
+            "GPU(s)"
+        )
     return dev
 
 
@@ -52,11 +58,13 @@ def read_eos_token_ids(model_path: Path, hf_config: dict) -> set[int]:
 
 
 class Engine:
-    def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
-                 kv_cache: str = "static"):
+
+    def __init__(self, model_path: str | Path, device: str = "cpu",
+                 dtype: str | torch.dtype = "float32", kv_cache: str = "static"):
         model_path = Path(model_path)
         if not (model_path / "config.json").exists():
-            raise FileNotFoundError(f"no config.json in {model_path}: not a Hugging Face model folder")
+            raise FileNotFoundError(
+                f"no config.json in {model_path}: not a Hugging Face model folder")
         if isinstance(dtype, str):
             if dtype not in DTYPES:
                 raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -69,8 +77,10 @@ class Engine:
         self.eos_token_ids = read_eos_token_ids(model_path, hf_config)
 
         self.model = LlamaForCausalLM(self.config).to(self.device).eval()
-        for param in self.model.parameters():  # cast the weights only: RoPE's inv_freq buffer stays float32
-            param.data = param.data.to(dtype)  # (in bfloat16 it is off by up to 0.4%: radians by position ~1000)
+        # cast the weights only: RoPE's inv_freq buffer stays float32
+        for param in self.model.parameters():
+            # (in bfloat16 it is off by up to 0.4%: radians by position ~1000)
+            param.data = param.data.to(dtype)
         load_weights(self.model, model_path)
 
     @property
@@ -88,7 +98,8 @@ class Engine:
             return GrowingKVCache(cfg.num_layers)
         # Preallocate exactly what this request can ever hold.
         max_len = min(req.max_device_len, self.max_context_len)
-        return StaticKVCache(cfg.num_layers, max_len, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        return StaticKVCache(cfg.num_layers, max_len, cfg.num_kv_heads, cfg.head_dim, self.dtype,
+                             self.device)
 
     def forward(self, req: Req, kv_cache) -> torch.Tensor:
         """Feed the request's uncached tokens; return the logits of the last one: [vocab]."""
@@ -106,7 +117,8 @@ class Engine:
 
     def check_stop(self, req: Req, token_id: int) -> None:
         params = req.sampling_params
-        if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
+        if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and
+                                                 not params.ignore_eos):
             req.finished, req.finish_reason = True, "stop"
         elif len(req.output_ids) >= params.max_new_tokens or req.device_len >= self.max_context_len:
             req.finished, req.finish_reason = True, "length"
@@ -128,5 +140,3 @@ class Engine:
             if req.finished:
                 return req
             logits = self.decode_one_token(req, kv_cache)
-
-

@@ -1,16 +1,17 @@
 """Naive KV caches for one request.
 
-Without a cache, every decode step would recompute K and V for the whole sequence: step n costs O(n) matmul
-rows, so n steps cost O(n^2) rows (and O(n^3) attention work). With a cache each step computes K/V for one new
-token and only *reads* the old ones.
+Without a cache, every decode step would recompute K and V for the whole sequence: step n costs O(n)
+matmul rows, so n steps cost O(n^2) rows (and O(n^3) attention work). With a cache each step
+computes K/V for one new token and only *reads* the old ones.
 
 Two versions with the same interface, `update(layer_id, k, v) -> (k_all, v_all)`:
-- GrowingKVCache: torch.cat a new tensor every step. Simple, but each step copies the whole cache (O(n) bytes
-  per step, O(n^2) total) and allocates memory of a new size every time.
-- StaticKVCache: allocate max_len slots once and write the new rows in place, right after the rows already
-  filled (a counter, `seq_len`, says where: with one request, row p holds position p; gpt-fast passes the
-  positions, `input_pos`, instead). No copies, a fixed memory footprint known up front: the reason every real
-  engine preallocates, and the start of stage 2's per-request slots and stage 4's paged pool.
+- GrowingKVCache: torch.cat a new tensor every step. Simple, but each step copies the whole cache
+  (O(n) bytes per step, O(n^2) total) and allocates memory of a new size every time.
+- StaticKVCache: allocate max_len slots once and write the new rows in place, right after the rows
+  already filled (a counter, `seq_len`, says where: with one request, row p holds position p;
+  gpt-fast passes the positions, `input_pos`, instead). No copies, a fixed memory footprint known up
+  front: the reason every real engine preallocates, and the start of stage 2's per-request slots and
+  stage 4's paged pool.
 """
 
 from __future__ import annotations

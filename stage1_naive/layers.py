@@ -34,7 +34,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, rope_theta: float):
         super().__init__()
-        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = 1.0 / (rope_theta
+                          **(torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
@@ -52,10 +53,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention that appends this pass's K/V to the cache and attends over all of it."""
+    """Grouped-query self-attention that appends this pass's K/V to the cache and attends over all
+    of it."""
 
-    def __init__(self, layer_id: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 rope_theta: float):
+    def __init__(self, layer_id: int, hidden_size: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, rope_theta: float):
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim

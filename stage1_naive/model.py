@@ -1,4 +1,5 @@
-"""The Llama decoder: embed -> N x (attention + MLP, each with a pre-norm and a residual) -> norm -> lm_head.
+"""The Llama decoder: embed -> N x (attention + MLP, each with a pre-norm and a residual) -> norm ->
+    lm_head.
 
 Follow one forward pass top to bottom in `LlamaForCausalLM.forward`.
 """
@@ -33,11 +34,14 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
-        """Read the fields stage 1 understands from a config.json, refusing what it would silently get wrong."""
+        """Read the fields stage 1 understands from a config.json, refusing what it would silently
+        get wrong."""
         arch = (hf.get("architectures") or ["?"])[0]
         if arch != "LlamaForCausalLM":
-            raise UnsupportedModelError(f"stage 1 runs only LlamaForCausalLM, this checkpoint is {arch}")
-        # transformers 5 keeps rope settings in "rope_parameters"; older configs use rope_theta / rope_scaling.
+            raise UnsupportedModelError(
+                f"stage 1 runs only LlamaForCausalLM, this checkpoint is {arch}")
+        # transformers 5 keeps rope settings in "rope_parameters"; older configs use rope_theta /
+        # rope_scaling.
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise UnsupportedModelError(f"stage 1 has no RoPE scaling, this checkpoint uses {rope}")
@@ -63,8 +67,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(layer_id, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   cfg.rope_theta)
+        self.self_attn = Attention(layer_id, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                                   cfg.head_dim, cfg.rope_theta)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
@@ -88,11 +92,13 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache,
                 last_only: bool = True) -> torch.Tensor:
-        """input_ids, positions: [T] -> logits [vocab] of the last token (or [T, vocab] with last_only=False)."""
+        """input_ids, positions: [T] -> logits [vocab] of the last token (or [T, vocab] with
+        last_only=False)."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         for layer in self.layers:
             x = layer(x, positions, kv_cache)  # [T, hidden]
         if last_only:
-            x = x[-1:]  # only the last position predicts the next token: skip T-1 rows of the big matmul
+            # only the last position predicts the next token: skip T-1 rows of the big matmul
+            x = x[-1:]
         logits = self.lm_head(self.norm(x))  # [1 or T, vocab]
         return logits[0] if last_only else logits

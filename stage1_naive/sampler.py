@@ -7,7 +7,8 @@ import torch
 from .core import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
+def sample(logits: torch.Tensor, params: SamplingParams,
+           generator: torch.Generator | None = None) -> int:
     """logits: [vocab] -> one token id."""
     if params.is_greedy:
         return int(torch.argmax(logits))  # fast path: no softmax, no sort, no random numbers
@@ -18,7 +19,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass *before* it already does.
+        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass *before* it
+        # already does.
         drop = (probs.cumsum(-1) - probs) >= params.top_p
         logits = logits.scatter(0, order[drop], float("-inf"))
     probs = torch.softmax(logits, dim=-1)

@@ -1,8 +1,8 @@
 """Read the checkpoint's safetensors straight into the model.
 
-Stage 1 keeps this minimal: read every *.safetensors file in the folder (so sharded checkpoints work too), match
-names, copy. Stage 3 replaces it with a real loader (memory-mapped streaming, merged projections, dtype handling,
-a strict report of what is missing or unexpected).
+Stage 1 keeps this minimal: read every *.safetensors file in the folder (so sharded checkpoints work
+too), match names, copy. Stage 3 replaces it with a real loader (memory-mapped streaming, merged
+projections, dtype handling, a strict report of what is missing or unexpected).
 """
 
 from __future__ import annotations
@@ -26,11 +26,15 @@ def load_weights(model: nn.Module, model_path: Path) -> None:
             name = ckpt_name.removeprefix("model.")
             if name not in params:
                 if name == "lm_head.weight" and "lm_head.weight" not in params:
-                    continue  # tied embeddings: some checkpoints still store the (identical) lm_head
+                    # tied embeddings: some checkpoints still store the (identical) lm_head
+                    continue
                 raise KeyError(f"unexpected weight {ckpt_name!r} in {file.name}")
             param = params[name]
             if param.shape != tensor.shape:
-                raise ValueError(f"{ckpt_name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+                raise ValueError(
+                    f"{ckpt_name}: checkpoint shape {tuple(tensor.shape)} != model "
+                    f"{tuple(param.shape)}"
+                )
             with torch.no_grad():
                 param.copy_(tensor)  # converts to the model's dtype and device
             loaded.add(name)

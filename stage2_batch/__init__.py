@@ -1,4 +1,5 @@
-"""Stage 2 — static batching: many requests share each forward pass; packed varlen prefill; attention backends."""
+"""Stage 2 — static batching: many requests share each forward pass; packed varlen prefill;
+attention backends."""
 
 from .core import Batch, Req, SamplingParams
 from .llm import LLM, GenerateResult

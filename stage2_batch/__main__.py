@@ -1,4 +1,5 @@
-"""python -m stage2_batch --prompt "..." --prompt "..." --max-new-tokens 100 [--attention-backend triton]"""
+"""python -m stage2_batch --prompt "..." --prompt "..." --max-new-tokens 100 [--attention-backend
+triton]"""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from .attention import BACKENDS
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m stage2_batch", description=__doc__)
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="short name or local HF folder")
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="short name or local HF folder")
     parser.add_argument("--prompt", action="append", help="repeat to batch several prompts")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="wrap each prompt in the model's chat template (default on)")
@@ -32,9 +34,10 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-                  max_batch_size=args.max_batch_size)
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                ignore_eos=args.ignore_eos)
+        llm = LLM(args.model, device=args.device, dtype=args.dtype,
+                  attention_backend=args.attention_backend, max_batch_size=args.max_batch_size)
         inputs = [llm.apply_chat_template(p) if args.chat and p else p for p in prompts]
         start = time.perf_counter()
         results = llm.generate(inputs, params)
@@ -45,8 +48,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"--- {prompt!r}")
         print(f"error: {result.error}" if result.error else result.text)
     total = sum(r.completion_tokens for r in results)
-    print(f"\n[{len(results)} requests, {total} tokens in {elapsed:.2f} s = {total / elapsed:.1f} tokens/s, "
-          f"attention backend {llm.engine.attn_backend.name}]")
+    print(
+        f"\n[{len(results)} requests, {total} tokens in {elapsed:.2f} s = {total / elapsed:.1f} "
+        "tokens/s, "
+        f"attention backend {llm.engine.attn_backend.name}]"
+    )
 
 
 if __name__ == "__main__":

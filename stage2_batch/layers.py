@@ -1,7 +1,8 @@
 """The building blocks of a Llama decoder layer, written out by hand.
 
 Shapes use: N = tokens in this forward pass (all requests of the batch, packed), H = query heads,
-KVH = key/value heads (GQA: H is a multiple of KVH), D = head_dim. The attention math itself moved to attention/.
+KVH = key/value heads (GQA: H is a multiple of KVH), D = head_dim. The attention math itself moved
+to attention/.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, rope_theta: float):
         super().__init__()
-        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = 1.0 / (rope_theta
+                          **(torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
@@ -54,10 +56,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention that appends this pass's K/V to the cache and attends over all of it."""
+    """Grouped-query self-attention that appends this pass's K/V to the cache and attends over all
+    of it."""
 
-    def __init__(self, layer_id: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 rope_theta: float):
+    def __init__(self, layer_id: int, hidden_size: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, rope_theta: float):
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -74,8 +77,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(N, self.num_kv_heads, self.head_dim)  # [N, KVH, D]
         q, k = self.rotary(positions, q, k)  # positions are per request, so RoPE needs nothing else
 
-        # The backend stores K/V in the cache and attends: varlen over the prompts (prefill), or one query per
-        # request against its cache row (decode).
+        # The backend stores K/V in the cache and attends: varlen over the prompts (prefill), or one
+        # query per request against its cache row (decode).
         out = fb.attn_backend.forward(q, k, v, self.layer_id, fb)  # [N, H, D]
         return self.o_proj(out.reshape(N, self.num_heads * self.head_dim))  # [N, hidden]
 

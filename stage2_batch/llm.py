@@ -12,15 +12,17 @@ from .core import Req, SamplingParams
 from .engine import Engine
 
 Prompt = Union[str, list[int]]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # what AutoTokenizer can build from
+# what AutoTokenizer can build from
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def check_tokenizer_files(model_path: Path) -> None:
-    """A checkpoint folder without any tokenizer file (a random-weight model built from a config, say) is refused here
-    with its name, not by a puzzling error from deep inside transformers."""
+    """A checkpoint folder without any tokenizer file (a random-weight model built from a config,
+    say) is refused here with its name, not by a puzzling error from deep inside transformers."""
     if not any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES):
-        raise FileNotFoundError(f"no tokenizer in {model_path} (none of {', '.join(TOKENIZER_FILES)}): copy in the "
-                                "tokenizer files of the model's family")
+        raise FileNotFoundError(
+            f"no tokenizer in {model_path} (none of {', '.join(TOKENIZER_FILES)}): copy in the "
+            "tokenizer files of the model's family")
 
 
 @dataclass
@@ -28,7 +30,8 @@ class GenerateResult:
     prompt_token_ids: list[int]
     token_ids: list[int]  # the generated ids only
     text: str
-    finish_reason: str  # "stop", "length", or "error" (then `error` says why and nothing was generated)
+    # "stop", "length", or "error" (then `error` says why and nothing was generated)
+    finish_reason: str
     error: str | None = None
 
     @property
@@ -41,12 +44,13 @@ class GenerateResult:
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    """A local Hugging Face folder is used as is; a short name ("smollm2-135m-instruct") is fetched once into a
-    cache by the course's support code, the one place a stage calls into `common/`."""
+    """A local Hugging Face folder is used as is; a short name ("smollm2-135m-instruct") is fetched
+    once into a cache by the course's support code, the one place a stage calls into `common/`."""
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise ValueError(f"model folder {path} has no config.json: not a Hugging Face checkpoint")
+            raise ValueError(
+                f"model folder {path} has no config.json: not a Hugging Face checkpoint")
         return path
     if path.exists() or "/" in str(model) or "\\" in str(model):
         raise ValueError(f"model path {model!r} does not exist or is not a folder")
@@ -61,12 +65,13 @@ class LLM:
     def __init__(self, model: str | Path = "smollm2-135m-instruct", device: str = "cpu",
                  dtype: str | torch.dtype = "float32", attention_backend: str | None = None,
                  max_batch_size: int = 32):
-        from transformers import AutoTokenizer  # the tokenizer is not the lesson yet: stage 3 writes its own
+        # the tokenizer is not the lesson yet: stage 3 writes its own
+        from transformers import AutoTokenizer
 
         self.model_path = resolve_model_path(model)
         check_tokenizer_files(self.model_path)
-        self.engine = Engine(self.model_path, device=device, dtype=dtype, attention_backend=attention_backend,
-                             max_batch_size=max_batch_size)
+        self.engine = Engine(self.model_path, device=device, dtype=dtype,
+                             attention_backend=attention_backend, max_batch_size=max_batch_size)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         self._next_rid = 0
 
@@ -76,7 +81,8 @@ class LLM:
                 raise ValueError("prompt is empty: nothing to continue from")
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         if not isinstance(prompt, (list, tuple)):
-            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise ValueError(
+                f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt token list is empty: nothing to continue from")
@@ -88,17 +94,21 @@ class LLM:
 
     def apply_chat_template(self, user_message: str) -> list[int]:
         messages = [{"role": "user", "content": user_message}]
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  pad_to_longest: bool = False) -> list[GenerateResult]:
-        """Generate for all prompts (strings or lists of token ids) in static batches of up to max_batch_size.
+        """Generate for all prompts (strings or lists of token ids) in static batches of up to
+        max_batch_size.
 
-        A bad prompt or bad SamplingParams fails alone: its result carries `error`, the others still run.
+        A bad prompt or bad SamplingParams fails alone: its result carries `error`, the others still
+        run.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and
+                                        isinstance(prompts[0], int)):
             prompts = [prompts]
         if len(prompts) == 0:
             raise ValueError("no prompts given")
@@ -124,7 +134,8 @@ class LLM:
         self.engine.generate(reqs, pad_to_longest)
         for req in reqs:
             text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-            results[index_of[req.rid]] = GenerateResult(req.input_ids, req.output_ids, text, req.finish_reason)
+            results[index_of[req.rid]] = GenerateResult(req.input_ids, req.output_ids, text,
+                                                        req.finish_reason)
         return results
 
 

@@ -1,4 +1,5 @@
-"""The Llama decoder: embed -> N x (attention + MLP, each with a pre-norm and a residual) -> norm -> lm_head.
+"""The Llama decoder: embed -> N x (attention + MLP, each with a pre-norm and a residual) -> norm ->
+    lm_head.
 
 Follow one forward pass top to bottom in `LlamaForCausalLM.forward`.
 """
@@ -34,11 +35,14 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
-        """Read the fields stage 2 understands from a config.json, refusing what it would silently get wrong."""
+        """Read the fields stage 2 understands from a config.json, refusing what it would silently
+        get wrong."""
         arch = (hf.get("architectures") or ["?"])[0]
         if arch != "LlamaForCausalLM":
-            raise UnsupportedModelError(f"stage 2 runs only LlamaForCausalLM, this checkpoint is {arch}")
-        # transformers 5 keeps rope settings in "rope_parameters"; older configs use rope_theta / rope_scaling.
+            raise UnsupportedModelError(
+                f"stage 2 runs only LlamaForCausalLM, this checkpoint is {arch}")
+        # transformers 5 keeps rope settings in "rope_parameters"; older configs use rope_theta /
+        # rope_scaling.
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise UnsupportedModelError(f"stage 2 has no RoPE scaling, this checkpoint uses {rope}")
@@ -64,8 +68,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(layer_id, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   cfg.rope_theta)
+        self.self_attn = Attention(layer_id, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                                   cfg.head_dim, cfg.rope_theta)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
@@ -87,11 +91,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight  # one matrix used both ways
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """input_ids, positions: [N] packed tokens of B requests -> logits [B, vocab] of each one's last token."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                fb: ForwardBatch) -> torch.Tensor:
+        """input_ids, positions: [N] packed tokens of B requests -> logits [B, vocab] of each one's
+        last token."""
         x = self.embed_tokens(input_ids)  # [N, hidden]
         for layer in self.layers:
             x = layer(x, positions, fb)  # [N, hidden]
-        # Only each request's last token predicts its next token: gather B rows before the big LM-head matmul.
+        # Only each request's last token predicts its next token: gather B rows before the big
+        # LM-head matmul.
         x = x[fb.last_token_indices]  # [B, hidden]
         return self.lm_head(self.norm(x))  # [B, vocab]

@@ -13,7 +13,8 @@ from .attention import BACKENDS
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m stage3_weights", description=__doc__)
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="short name or local HF folder")
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="short name or local HF folder")
     parser.add_argument("--prompt", action="append", help="repeat to batch several prompts")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="wrap each prompt in the model's chat template (default on)")
@@ -24,13 +25,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
-                        help="weights and KV cache dtype, converted at load; auto = the checkpoint's own")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+        help="weights and KV cache dtype, converted at load; auto = the checkpoint's own")
     parser.add_argument("--attention-backend", default=None, choices=BACKENDS,
                         help="default: triton on CUDA, torch on CPU")
     parser.add_argument("--max-batch-size", type=int, default=32)
-    parser.add_argument("--memory-report", action="store_true",
-                        help="print what the weights and the KV cache cost, then the load statistics")
+    parser.add_argument(
+        "--memory-report", action="store_true",
+        help="print what the weights and the KV cache cost, then the load statistics")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="loading progress bar (default: when stderr is a terminal)")
     parser.add_argument("--quiet", action="store_true", help="no one-line load report")
@@ -40,35 +43,49 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-                  max_batch_size=args.max_batch_size, progress=args.progress, verbose=not args.quiet)
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                ignore_eos=args.ignore_eos)
+        llm = LLM(args.model, device=args.device, dtype=args.dtype,
+                  attention_backend=args.attention_backend, max_batch_size=args.max_batch_size,
+                  progress=args.progress, verbose=not args.quiet)
         if args.memory_report:
             print_memory_report(llm)
         inputs = [llm.apply_chat_template(p) if args.chat and p else p for p in prompts]
         start = time.perf_counter()
         results = llm.generate(inputs, params)
         elapsed = time.perf_counter() - start
-    except (ValueError, FileNotFoundError) as exc:  # UnsupportedModelError, CheckpointError included
+    # UnsupportedModelError, CheckpointError included
+    except (ValueError, FileNotFoundError) as exc:
         parser.exit(2, f"error: {exc}\n")
     for prompt, result in zip(prompts, results):
         print(f"--- {prompt!r}")
         print(f"error: {result.error}" if result.error else result.text)
     total = sum(r.completion_tokens for r in results)
-    print(f"\n[{len(results)} requests, {total} tokens in {elapsed:.2f} s = {total / elapsed:.1f} tokens/s, "
-          f"attention backend {llm.engine.attn_backend.name}]")
+    print(
+        f"\n[{len(results)} requests, {total} tokens in {elapsed:.2f} s = {total / elapsed:.1f} "
+        "tokens/s, "
+        f"attention backend {llm.engine.attn_backend.name}]"
+    )
 
 
 def print_memory_report(llm: LLM) -> None:
     report, stats, cfg = llm.engine.memory_report(), llm.engine.load_stats, llm.engine.config
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
-    print(f"model      {cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q / "
-          f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}, vocab {cfg.vocab_size}, tied={cfg.tie_word_embeddings}")
+    print(
+        f"model      {cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_heads} q / "
+        f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}, vocab {cfg.vocab_size}, "
+        f"tied={cfg.tie_word_embeddings}"
+    )
     print(f"weights    {report.num_params / 1e6:.1f}M params, {mib(report.param_bytes)}: "
           + ", ".join(f"{d} {mib(b)}" for d, b in report.param_bytes_by_dtype.items()))
-    print(f"KV cache   2 x {cfg.num_layers} layers x {cfg.num_kv_heads} kv heads x {cfg.head_dim} x {report.kv_dtype} "
-          f"= {report.kv_bytes_per_token} bytes/token; "
-          f"{mib(report.kv_bytes_per_token * report.max_context_len)} at the {report.max_context_len}-token context")
+    print(
+        f"KV cache   2 x {cfg.num_layers} layers x {cfg.num_kv_heads} kv heads x {cfg.head_dim} x "
+        f"{report.kv_dtype} "
+        f"= {report.kv_bytes_per_token} bytes/token; "
+        f"{mib(report.kv_bytes_per_token * report.max_context_len)} at the "
+        f"{report.max_context_len}-token context"
+    )
     print(f"loaded     {stats.tensors} tensors from {stats.files} file(s), {mib(stats.bytes_read)} "
           f"({', '.join(sorted(stats.checkpoint_dtypes))} on disk) in {stats.seconds:.2f} s\n")
 

@@ -1,4 +1,5 @@
-"""The two data types every stage shares: what the user asks for (SamplingParams) and one request's state (Req).
+"""The two data types every stage shares: what the user asks for (SamplingParams) and one request's
+state (Req).
 
 The names follow SGLang / mini-sglang so that a learner can move on to their source:
 
@@ -6,7 +7,8 @@ The names follow SGLang / mini-sglang so that a learner can move on to their sou
     cached_len                         how many of them already have K/V in the KV cache
     device_len                         how many of them the next forward pass will have seen
     extend_len = device_len - cached_len   how many tokens the next forward pass feeds in
-    max_device_len                     prompt length + max_new_tokens: the most the request can ever hold
+    max_device_len                     prompt length + max_new_tokens: the most the request can ever
+                                       hold
 
 Life of a request with a 5-token prompt and max_new_tokens=3:
 
@@ -25,7 +27,8 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature == 0 (the default here, as in mini-sglang; SGLang's server defaults to 1.0) means greedy.
+    temperature == 0 (the default here, as in mini-sglang; SGLang's server defaults to 1.0) means
+    greedy.
     """
 
     max_new_tokens: int = 128
@@ -40,7 +43,8 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the bad field; called at construction and again when a request is added."""
+        """Raise ValueError naming the bad field; called at construction and again when a request is
+        added."""
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool):
             raise ValueError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
         if self.max_new_tokens <= 0:
@@ -52,7 +56,8 @@ class SamplingParams:
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+            raise ValueError(
+                f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -75,7 +80,8 @@ class Req:
     slot: int = -1  # the KV cache row this request owns while its batch runs
 
     def __post_init__(self) -> None:
-        # A new request has nothing cached and feeds its whole prompt in the first forward (prefill).
+        # A new request has nothing cached and feeds its whole prompt in the first forward
+        # (prefill).
         self.device_len = len(self.input_ids)
 
     @property
@@ -91,11 +97,13 @@ class Req:
         return self.input_ids + self.output_ids
 
     def next_input_ids(self) -> list[int]:
-        """The tokens the next forward pass must feed: those seen by the host but not yet in the KV cache."""
+        """The tokens the next forward pass must feed: those seen by the host but not yet in the KV
+        cache."""
         return self.all_ids[self.cached_len : self.device_len]
 
     def complete_one(self, token_id: int) -> None:
-        """Record one forward pass: its inputs are now cached, and the sampled token becomes the next input."""
+        """Record one forward pass: its inputs are now cached, and the sampled token becomes the
+        next input."""
         self.cached_len = self.device_len
         self.output_ids.append(token_id)
         self.device_len += 1
@@ -108,7 +116,8 @@ class Req:
 
 @dataclass
 class Batch:
-    """The requests of one forward pass. Prefill feeds whole prompts; decode feeds one token per request."""
+    """The requests of one forward pass. Prefill feeds whole prompts; decode feeds one token per
+    request."""
 
     reqs: list[Req]
     phase: str  # "prefill" or "decode"

@@ -1,11 +1,13 @@
 """A KV cache for a batch: one preallocated row ("slot") per request, each with its own length.
 
-    k[layer]  : [num_slots, max_len, KVH, D]     request r owns row slot_r; its token at position p is at [slot_r, p]
+    k[layer]  : [num_slots, max_len, KVH, D]     request r owns row slot_r; its token at position p
+                                                 is at [slot_r, p]
 
-Stage 1's cache belonged to one request. Here every request of a batch gets a slot when it starts and gives it
-back when its batch ends; lengths differ per request, so attention is told each request's length (`seq_lens`).
-The catch, fixed in stage 4: every slot is as long as the longest request may become, so short requests waste
-most of their row. (`flash_attn_with_kvcache` reads exactly this layout, with `cache_batch_idx` = slot ids.)
+Stage 1's cache belonged to one request. Here every request of a batch gets a slot when it starts
+and gives it back when its batch ends; lengths differ per request, so attention is told each
+request's length (`seq_lens`). The catch, fixed in stage 4: every slot is as long as the longest
+request may become, so short requests waste most of their row. (`flash_attn_with_kvcache` reads
+exactly this layout, with `cache_batch_idx` = slot ids.)
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import torch
 
 
 class BatchKVCache:
-    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
         shape = (num_layers, num_slots, max_len, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, num_slots, max_len, KVH, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -40,6 +43,7 @@ class BatchKVCache:
 
     def store(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, token_slot_ids: torch.Tensor,
               positions: torch.Tensor) -> None:
-        """Write this pass's K/V ([N, KVH, D]) of every token at (its request's slot, its position)."""
+        """Write this pass's K/V ([N, KVH, D]) of every token at (its request's slot, its
+        position)."""
         self.k[layer_id, token_slot_ids, positions] = k
         self.v[layer_id, token_slot_ids, positions] = v

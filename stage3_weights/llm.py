@@ -20,7 +20,8 @@ class GenerateResult:
     prompt_token_ids: list[int]
     token_ids: list[int]  # the generated ids only
     text: str
-    finish_reason: str  # "stop", "length", or "error" (then `error` says why and nothing was generated)
+    # "stop", "length", or "error" (then `error` says why and nothing was generated)
+    finish_reason: str
     error: str | None = None
 
     @property
@@ -33,12 +34,13 @@ class GenerateResult:
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    """A local Hugging Face folder is used as is; a short name ("smollm2-135m-instruct") is fetched once into a
-    cache by the course's support code, the one place a stage calls into `common/`."""
+    """A local Hugging Face folder is used as is; a short name ("smollm2-135m-instruct") is fetched
+    once into a cache by the course's support code, the one place a stage calls into `common/`."""
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise ValueError(f"model folder {path} has no config.json: not a Hugging Face checkpoint")
+            raise ValueError(
+                f"model folder {path} has no config.json: not a Hugging Face checkpoint")
         return path
     if path.exists() or "/" in str(model) or "\\" in str(model):
         raise ValueError(f"model path {model!r} does not exist or is not a folder")
@@ -54,13 +56,15 @@ class LLM:
                  dtype: str | torch.dtype = "float32", attention_backend: str | None = None,
                  max_batch_size: int = 32, tokenizer_config: TokenizerConfig | None = None,
                  progress: bool | None = None, verbose: bool = True):
-        """dtype: float32, bfloat16, float16 or "auto" (the checkpoint's). progress: a loading progress bar (None:
-        when stderr is a terminal). verbose: print one line on load with the memory report."""
+        """dtype: float32, bfloat16, float16 or "auto" (the checkpoint's). progress: a loading
+        progress bar (None: when stderr is a terminal). verbose: print one line on load with the
+        memory report."""
         self.model_path = resolve_model_path(model)
         self.tokenizer = Tokenizer(self.model_path, tokenizer_config)
-        self.engine = Engine(self.model_path, device=device, dtype=dtype, attention_backend=attention_backend,
-                             max_batch_size=max_batch_size, eos_token_ids=self.tokenizer.eos_token_ids,
-                             progress=progress, verbose=verbose)
+        self.engine = Engine(self.model_path, device=device, dtype=dtype,
+                             attention_backend=attention_backend, max_batch_size=max_batch_size,
+                             eos_token_ids=self.tokenizer.eos_token_ids, progress=progress,
+                             verbose=verbose)
         if self.tokenizer.config.max_length is None:  # leave room for at least one generated token
             self.tokenizer.config.max_length = self.engine.max_context_len - 1
         self._next_rid = 0
@@ -69,7 +73,8 @@ class LLM:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)):
-            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise ValueError(
+                f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt token list is empty: nothing to continue from")
@@ -86,11 +91,14 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  pad_to_longest: bool = False) -> list[GenerateResult]:
-        """Generate for all prompts (strings or lists of token ids) in static batches of up to max_batch_size.
+        """Generate for all prompts (strings or lists of token ids) in static batches of up to
+        max_batch_size.
 
-        A bad prompt or bad SamplingParams fails alone: its result carries `error`, the others still run.
+        A bad prompt or bad SamplingParams fails alone: its result carries `error`, the others still
+        run.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and
+                                        isinstance(prompts[0], int)):
             prompts = [prompts]
         if len(prompts) == 0:
             raise ValueError("no prompts given")
@@ -116,7 +124,8 @@ class LLM:
         self.engine.generate(reqs, pad_to_longest)
         for req in reqs:
             text = self.tokenizer.decode(req.output_ids)
-            results[index_of[req.rid]] = GenerateResult(req.input_ids, req.output_ids, text, req.finish_reason)
+            results[index_of[req.rid]] = GenerateResult(req.input_ids, req.output_ids, text,
+                                                        req.finish_reason)
         return results
 
 

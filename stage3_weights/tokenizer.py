@@ -1,20 +1,23 @@
-"""Text <-> token ids, and the settings around it that an engine must get right, in one config object.
+"""Text <-> token ids, and the settings around it that an engine must get right, in one config
+object.
 
-The tokenizer itself (BPE merges, normalisation) is Hugging Face's `tokenizers` via transformers.AutoTokenizer:
-what this module owns is the policy.
+The tokenizer itself (BPE merges, normalisation) is Hugging Face's `tokenizers` via
+transformers.AutoTokenizer: what this module owns is the policy.
 
-- EOS ids. When does generation stop? Checkpoints say it in up to three places, and they disagree: config.json
-  (`eos_token_id`: 128001), generation_config.json (`eos_token_id`: [128001, 128008, 128009] for Llama-3.1
-  Instruct: end of text, end of message, end of turn) and the tokenizer's eos_token. Stopping on only one of
-  them is the classic bug of a chat model that never stops talking; we stop on their union.
-- Chat template: the jinja template shipped with the tokenizer turns a list of messages into the exact text the
-  model was fine-tuned on (role markers, generation prompt).
-- Special tokens: plain text is encoded without adding BOS by default, since chat templates write their own
-  (adding it again would double it). Set add_special_tokens=True for base models that expect a BOS.
+- EOS ids. When does generation stop? Checkpoints say it in up to three places, and they disagree:
+  config.json (`eos_token_id`: 128001), generation_config.json (`eos_token_id`: [128001, 128008,
+  128009] for Llama-3.1 Instruct: end of text, end of message, end of turn) and the tokenizer's
+  eos_token. Stopping on only one of them is the classic bug of a chat model that never stops
+  talking; we stop on their union.
+- Chat template: the jinja template shipped with the tokenizer turns a list of messages into the
+  exact text the model was fine-tuned on (role markers, generation prompt).
+- Special tokens: plain text is encoded without adding BOS by default, since chat templates write
+  their own (adding it again would double it). Set add_special_tokens=True for base models that
+  expect a BOS.
 - Length: a prompt longer than max_length is refused by default; with truncation=True it is cut on
   truncation_side ("left" keeps the end of the prompt, where the question usually is).
-- Padding: our engine packs a batch and never pads; `pad()` exists for peers that do (transformers' generate),
-  with padding_side "left" so that every row's last position holds a real token.
+- Padding: our engine packs a batch and never pads; `pad()` exists for peers that do (transformers'
+  generate), with padding_side "left" so that every row's last position holds a real token.
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Union
 
-Messages = Union[str, list[dict]]  # a user message, or [{"role": "system"|"user"|"assistant", "content": ...}]
+# a user message, or [{"role": "system"|"user"|"assistant", "content": ...}]
+Messages = Union[str, list[dict]]
 
 
 @dataclass
 class TokenizerConfig:
-    max_length: int | None = None  # longest prompt accepted; None: the model's context minus one (LLM fills it)
+    # longest prompt accepted; None: the model's context minus one (LLM fills it)
+    max_length: int | None = None
     truncation: bool = False  # a longer prompt: refused (False) or cut to max_length (True)
     truncation_side: str = "left"
     padding_side: str = "left"
@@ -38,7 +43,8 @@ class TokenizerConfig:
     bos_token: str | None = None
     eos_token: str | None = None
     pad_token: str | None = None
-    eos_token_ids: set[int] = field(default_factory=set)  # extra stop ids; the checkpoint's are added to them
+    # extra stop ids; the checkpoint's are added to them
+    eos_token_ids: set[int] = field(default_factory=set)
     chat_template: str | None = None
 
     def validate(self) -> None:
@@ -52,7 +58,9 @@ class TokenizerConfig:
 def read_eos_token_ids(model_path: Path, hf_config: dict | None = None) -> set[int]:
     """EOS may be one id or a list, in config.json and/or generation_config.json: take them all."""
     model_path = Path(model_path)
-    sources = [hf_config if hf_config is not None else json.loads((model_path / "config.json").read_text())]
+    sources = [
+        hf_config if hf_config is not None else json.loads((model_path / "config.json").read_text())
+    ]
     gen_file = model_path / "generation_config.json"
     if gen_file.exists():
         sources.append(json.loads(gen_file.read_text()))
@@ -63,22 +71,25 @@ def read_eos_token_ids(model_path: Path, hf_config: dict | None = None) -> set[i
     return ids
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # what AutoTokenizer can build from
+# what AutoTokenizer can build from
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def check_tokenizer_files(model_path: Path) -> None:
-    """A checkpoint folder without any tokenizer file (a random-weight model built from a config, say) is refused here
-    with its name, not by a puzzling error from deep inside transformers."""
+    """A checkpoint folder without any tokenizer file (a random-weight model built from a config,
+    say) is refused here with its name, not by a puzzling error from deep inside transformers."""
     if not any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES):
-        raise FileNotFoundError(f"no tokenizer in {model_path} (none of {', '.join(TOKENIZER_FILES)}): copy in the "
-                                "tokenizer files of the model's family")
+        raise FileNotFoundError(
+            f"no tokenizer in {model_path} (none of {', '.join(TOKENIZER_FILES)}): copy in the "
+            "tokenizer files of the model's family")
 
 
 class Tokenizer:
     def __init__(self, model_path: str | Path, config: TokenizerConfig | None = None):
         from transformers import AutoTokenizer  # imported here: `import stage3_weights` stays light
 
-        # A copy: the fields filled in below are this checkpoint's, and the caller may reuse its config elsewhere.
+        # A copy: the fields filled in below are this checkpoint's, and the caller may reuse its
+        # config elsewhere.
         self.config = config = replace(config) if config is not None else TokenizerConfig()
         config.validate()
         check_tokenizer_files(Path(model_path))
@@ -106,11 +117,12 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         if not text:
             raise ValueError("prompt is empty: nothing to continue from")
-        return self.truncate(self.hf.encode(text, add_special_tokens=self.config.add_special_tokens))
+        return self.truncate(self.hf.encode(text,
+                                            add_special_tokens=self.config.add_special_tokens))
 
     def truncate(self, ids: list[int]) -> list[int]:
-        """Cut to max_length on truncation_side when truncation is on; else unchanged (the engine refuses a prompt
-        that leaves no room to generate, naming its length)."""
+        """Cut to max_length on truncation_side when truncation is on; else unchanged (the engine
+        refuses a prompt that leaves no room to generate, naming its length)."""
         limit = self.config.max_length
         if not self.config.truncation or limit is None or len(ids) <= limit:
             return ids
@@ -119,13 +131,16 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: Messages,
+                            add_generation_prompt: bool = True) -> list[int]:
         """Messages -> the token ids of the prompt as the model was fine-tuned to read it."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         if not self.config.chat_template:
-            raise ValueError("this tokenizer has no chat template (a base model?): pass plain text instead")
-        text = self.hf.apply_chat_template(messages, chat_template=self.config.chat_template, tokenize=False,
+            raise ValueError(
+                "this tokenizer has no chat template (a base model?): pass plain text instead")
+        text = self.hf.apply_chat_template(messages, chat_template=self.config.chat_template,
+                                           tokenize=False,
                                            add_generation_prompt=add_generation_prompt)
         # The template already wrote every special token it wants: never add BOS again.
         return self.truncate(self.hf.encode(text, add_special_tokens=False))

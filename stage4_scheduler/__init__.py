@@ -1,5 +1,5 @@
-"""Stage 4 — a complete engine: paged KV cache, continuous batching scheduler, chunked prefill, preemption,
-full sampling, stop strings, incremental detokenization and streaming."""
+"""Stage 4 — a complete engine: paged KV cache, continuous batching scheduler, chunked prefill,
+preemption, full sampling, stop strings, incremental detokenization and streaming."""
 
 from .core import Batch, Req, ReqStatus, SamplingParams
 from .llm import LLM, GenerateResult, StreamChunk

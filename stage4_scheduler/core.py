@@ -1,4 +1,5 @@
-"""The data types every stage shares: what the user asks for (SamplingParams) and one request's state (Req).
+"""The data types every stage shares: what the user asks for (SamplingParams) and one request's
+state (Req).
 
 The names follow SGLang / mini-sglang so that a learner can move on to their source:
 
@@ -6,11 +7,12 @@ The names follow SGLang / mini-sglang so that a learner can move on to their sou
     cached_len                         how many of them already have K/V in the KV cache
     device_len                         how many of them the next forward pass will have seen
     extend_len = device_len - cached_len   how many tokens the next forward pass feeds in
-    max_device_len                     prompt length + max_new_tokens: the most the request can ever hold
+    max_device_len                     prompt length + max_new_tokens: the most the request can ever
+                                       hold
 
-Stage 4 adds the request's life in a scheduler: WAITING (queued, or preempted and queued again) -> RUNNING
-(holds KV pages and a page-table row) -> FINISHED, with a finish reason. A chunked prefill feeds the prompt in
-pieces: device_len stops short of the prompt's end until the last chunk.
+Stage 4 adds the request's life in a scheduler: WAITING (queued, or preempted and queued again) ->
+RUNNING (holds KV pages and a page-table row) -> FINISHED, with a finish reason. A chunked prefill
+feeds the prompt in pieces: device_len stops short of the prompt's end until the last chunk.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """How to pick each next token and when to stop (SGLang's names and meanings).
 
-    temperature == 0 (the default here, as in mini-sglang; SGLang's server defaults to 1.0) means greedy.
+    temperature == 0 (the default here, as in mini-sglang; SGLang's server defaults to 1.0) means
+    greedy.
     """
 
     max_new_tokens: int = 128
@@ -31,11 +34,13 @@ class SamplingParams:
     top_k: int = -1  # -1: no top-k filter
     top_p: float = 1.0  # 1.0: no nucleus filter
     min_p: float = 0.0  # drop tokens whose probability is below min_p * p(most likely token)
-    repetition_penalty: float = 1.0  # >1 discourages tokens already in prompt or output (divides positive logits)
+    # >1 discourages tokens already in prompt or output (divides positive logits)
+    repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0  # subtract count(token in output) * frequency_penalty
     presence_penalty: float = 0.0  # subtract presence_penalty once a token appeared in the output
     ignore_eos: bool = False
-    stop: str | list[str] | None = None  # stop strings: generation ends when the text contains one (trimmed)
+    # stop strings: generation ends when the text contains one (trimmed)
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None  # per-request random seed for sampling
 
@@ -43,7 +48,8 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the bad field; called at construction and again when a request is added."""
+        """Raise ValueError naming the bad field; called at construction and again when a request is
+        added."""
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool):
             raise ValueError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
         if self.max_new_tokens <= 0:
@@ -57,16 +63,22 @@ class SamplingParams:
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not (0.0 < self.repetition_penalty <= 10.0):
-            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+            raise ValueError(
+                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
         if not (-2.0 <= self.frequency_penalty <= 2.0):
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if not (-2.0 <= self.presence_penalty <= 2.0):
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        if not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                for t in self.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        if stops is not None and not (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if stops is not None and not (isinstance(stops, list) and
+                                      all(isinstance(s, str) and s for s in stops)):
+            raise ValueError(
+                f"stop must be a non-empty string or a list of them, got {self.stop!r}")
 
     @property
     def stop_strings(self) -> list[str]:
@@ -79,7 +91,11 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
 
 
 class ReqStatus(enum.Enum):
@@ -90,7 +106,8 @@ class ReqStatus(enum.Enum):
 
 @dataclass
 class Req:
-    """One request's state on the host. The scheduler moves it forward one forward pass at a time."""
+    """One request's state on the host. The scheduler moves it forward one forward pass at a
+    time."""
 
     rid: int
     input_ids: list[int]  # the prompt
@@ -100,14 +117,16 @@ class Req:
     cached_len: int = 0
     device_len: int = 0
     status: ReqStatus = ReqStatus.WAITING
-    finish_reason: str | None = None  # "stop" (EOS, stop token or stop string), "length", or "abort"
+    # "stop" (EOS, stop token or stop string), "length", or "abort"
+    finish_reason: str | None = None
     matched_stop: int | str | None = None  # the stop token id or stop string that ended the request
     table_idx: int = -1  # this request's row in the page table while RUNNING
     arrival: int = 0  # scheduler step at which the request arrived (FCFS order, ageing)
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:
-        # A new request has nothing cached and feeds its whole prompt in the first forward (prefill).
+        # A new request has nothing cached and feeds its whole prompt in the first forward
+        # (prefill).
         self.device_len = len(self.input_ids)
 
     @property
@@ -127,7 +146,8 @@ class Req:
         return self.input_ids + self.output_ids
 
     def next_input_ids(self) -> list[int]:
-        """The tokens the next forward pass must feed: those seen by the host but not yet in the KV cache."""
+        """The tokens the next forward pass must feed: those seen by the host but not yet in the KV
+        cache."""
         return self.all_ids[self.cached_len : self.device_len]
 
     def set_chunk(self, chunk_len: int) -> None:
@@ -139,13 +159,15 @@ class Req:
         self.cached_len = self.device_len
 
     def complete_one(self, token_id: int) -> None:
-        """Record one forward pass: its inputs are now cached, and the sampled token becomes the next input."""
+        """Record one forward pass: its inputs are now cached, and the sampled token becomes the
+        next input."""
         self.cached_len = self.device_len
         self.output_ids.append(token_id)
         self.device_len += 1
 
     def reset_for_recompute(self) -> None:
-        """Preempted: the KV pages are gone, so everything known (prompt + output so far) is prefilled again."""
+        """Preempted: the KV pages are gone, so everything known (prompt + output so far) is
+        prefilled again."""
         self.cached_len = 0
         self.device_len = len(self.all_ids)
         self.status = ReqStatus.WAITING
@@ -160,11 +182,13 @@ class Req:
 
 @dataclass
 class Batch:
-    """The requests of one forward pass. Prefill feeds prompts (or chunks of them); decode feeds one token each."""
+    """The requests of one forward pass. Prefill feeds prompts (or chunks of them); decode feeds one
+    token each."""
 
     reqs: list[Req]
     phase: str  # "prefill" or "decode"
-    out_cache_loc: list[int] = field(default_factory=list)  # the KV pool slot of every new token, in order
+    # the KV pool slot of every new token, in order
+    out_cache_loc: list[int] = field(default_factory=list)
 
     @property
     def size(self) -> int:

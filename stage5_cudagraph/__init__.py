@@ -1,4 +1,5 @@
-"""Stage 5 — CUDA graphs for decode and an overlap scheduler: take the CPU out of the decode loop."""
+"""Stage 5 — CUDA graphs for decode and an overlap scheduler: take the CPU out of the decode
+loop."""
 
 from .core import Batch, Req, ReqStatus, SamplingParams
 from .llm import LLM, GenerateResult, StreamChunk

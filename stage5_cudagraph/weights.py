@@ -1,15 +1,19 @@
-"""Load a Hugging Face safetensors checkpoint into the model: memory-mapped, shard by shard, tensor by tensor.
+"""Load a Hugging Face safetensors checkpoint into the model: memory-mapped, shard by shard, tensor
+by tensor.
 
     1. find the files   model.safetensors, or model.safetensors.index.json and the shards it lists
-                        (a folder with only pytorch_model*.bin is refused: see BIN_ONLY_MESSAGE for why)
-    2. plan             read each file's header (names, shapes, dtypes; no weights), map every checkpoint name to
-                        (our parameter, shard_id), and refuse the checkpoint, naming names, if anything is missing,
-                        unexpected or the wrong shape, before a single weight is read
-    3. stream           for each tensor: out of the memory map -> converted to the model's dtype and device ->
-                        into its parameter (or its rows of a merged one) by that parameter's weight_loader
+                        (a folder with only pytorch_model*.bin is refused: see BIN_ONLY_MESSAGE for
+                            why)
+    2. plan             read each file's header (names, shapes, dtypes; no weights), map every
+                        checkpoint name to (our parameter, shard_id), and refuse the checkpoint,
+                        naming names, if anything is missing, unexpected or the wrong shape, before
+                        a single weight is read
+    3. stream           for each tensor: out of the memory map -> converted to the model's dtype and
+                        device -> into its parameter (or its rows of a merged one) by that
+                        parameter's weight_loader
 
-Peak memory is the model plus one tensor: the whole checkpoint is never in memory at once, and the model was
-allocated directly in its final dtype and device (models.build_model).
+Peak memory is the model plus one tensor: the whole checkpoint is never in memory at once, and the
+model was allocated directly in its final dtype and device (models.build_model).
 
 Name mapping (SGLang's `stacked_params_mapping`, defined by the model class):
 
@@ -39,16 +43,21 @@ from .layers import default_weight_loader
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 BIN_ONLY_MESSAGE = (
-    "{path} holds only PyTorch pickle weights ({files}); this loader reads safetensors only. A .bin file is a "
-    "Python pickle: unpickling can run code chosen by whoever made the file (torch.load(weights_only=True) "
-    "narrows that, but has had bypasses), and it cannot be memory-mapped tensor by tensor. From a copy you "
+    "{path} holds only PyTorch pickle weights ({files}); this loader reads safetensors only. A "
+    ".bin file is a "
+    "Python pickle: unpickling can run code chosen by whoever made the file "
+    "(torch.load(weights_only=True) "
+    "narrows that, but has had bypasses), and it cannot be memory-mapped tensor by tensor. From a "
+    "copy you "
     "trust, convert it once, e.g. with transformers: "
-    "AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder)  (writes model.safetensors)."
+    "AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder)  (writes "
+    "model.safetensors)."
 )
 
 
 class CheckpointError(ValueError):
-    """The checkpoint folder does not fit the model: missing files, missing/unexpected tensors, wrong shapes."""
+    """The checkpoint folder does not fit the model: missing files, missing/unexpected tensors,
+    wrong shapes."""
 
 
 @dataclass
@@ -57,11 +66,13 @@ class LoadStats:
     tensors: int = 0
     bytes_read: int = 0  # checkpoint bytes streamed (in the checkpoint's dtype)
     seconds: float = 0.0
-    checkpoint_dtypes: Counter = field(default_factory=Counter)  # bytes per dtype, e.g. {"bfloat16": 16_381_470_720}
+    # bytes per dtype, e.g. {"bfloat16": 16_381_470_720}
+    checkpoint_dtypes: Counter = field(default_factory=Counter)
 
 
 def find_checkpoint_files(model_path: Path) -> list[Path]:
-    """The safetensors files to read, refusing a folder whose index names files that are not there."""
+    """The safetensors files to read, refusing a folder whose index names files that are not
+    there."""
     model_path = Path(model_path)
     index = model_path / INDEX_FILE
     if index.exists():
@@ -71,11 +82,13 @@ def find_checkpoint_files(model_path: Path) -> list[Path]:
         if missing:
             count = Counter(weight_map.values())
             lost = ", ".join(f"{f} ({count[f]} tensor{'s' * (count[f] > 1)})" for f in missing)
-            raise CheckpointError(f"{model_path}: {INDEX_FILE} lists {len(files)} shard files, {len(missing)} of "
-                                  f"them missing: {lost}. Download the checkpoint again.")
+            raise CheckpointError(
+                f"{model_path}: {INDEX_FILE} lists {len(files)} shard files, {len(missing)} of "
+                f"them missing: {lost}. Download the checkpoint again.")
         return [model_path / f for f in files]
     if (model_path / SINGLE_FILE).is_file():
-        return [model_path / SINGLE_FILE]  # ignore other *.safetensors (e.g. Mistral's consolidated.safetensors)
+        # ignore other *.safetensors (e.g. Mistral's consolidated.safetensors)
+        return [model_path / SINGLE_FILE]
     files = sorted(model_path.glob("*.safetensors"))
     if files:
         return files
@@ -86,9 +99,10 @@ def find_checkpoint_files(model_path: Path) -> list[Path]:
 
 
 def read_header(file: Path) -> dict[str, dict]:
-    """A safetensors file's table of contents, in the order the tensors' bytes lie in the file (so streaming reads
-    it front to back). Format: 8 bytes little-endian header length, then a JSON header
-    {name: {"dtype": "BF16", "shape": [...], "data_offsets": [begin, end]}, "__metadata__": {...}}, then the bytes."""
+    """A safetensors file's table of contents, in the order the tensors' bytes lie in the file (so
+    streaming reads it front to back). Format: 8 bytes little-endian header length, then a JSON
+    header {name: {"dtype": "BF16", "shape": [...], "data_offsets": [begin, end]}, "__metadata__":
+    {...}}, then the bytes."""
     with open(file, "rb") as fh:
         header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
     header.pop("__metadata__", None)
@@ -96,9 +110,11 @@ def read_header(file: Path) -> dict[str, dict]:
 
 
 def expected_pieces(model: nn.Module) -> dict[tuple[str, object], str]:
-    """Every (parameter name, shard_id) the checkpoint must fill -> the checkpoint name that fills it."""
+    """Every (parameter name, shard_id) the checkpoint must fill -> the checkpoint name that fills
+    it."""
     pieces = {}
-    for name, _ in model.named_parameters():  # a tied lm_head shares embed_tokens' tensor: listed once
+    # a tied lm_head shares embed_tokens' tensor: listed once
+    for name, _ in model.named_parameters():
         stacked = [(p, c, s) for p, c, s in model.stacked_params_mapping if p in name]
         for param_frag, ckpt_frag, shard_id in stacked:
             pieces[(name, shard_id)] = name.replace(param_frag, ckpt_frag)
@@ -108,7 +124,8 @@ def expected_pieces(model: nn.Module) -> dict[tuple[str, object], str]:
 
 
 def map_name(model: nn.Module, ckpt_name: str) -> tuple[str, object]:
-    """Checkpoint tensor name -> (our parameter name, shard_id); shard_id None for a parameter stored whole."""
+    """Checkpoint tensor name -> (our parameter name, shard_id); shard_id None for a parameter
+    stored whole."""
     for param_frag, ckpt_frag, shard_id in model.stacked_params_mapping:
         if ckpt_frag in ckpt_name:
             return ckpt_name.replace(ckpt_frag, param_frag), shard_id
@@ -117,13 +134,16 @@ def map_name(model: nn.Module, ckpt_name: str) -> tuple[str, object]:
 
 def is_skipped(model: nn.Module, ckpt_name: str) -> bool:
     if model.config.tie_word_embeddings and ckpt_name == "lm_head.weight":
-        return True  # some tied checkpoints still store the (identical) matrix; ours is embed_tokens
+        # some tied checkpoints still store the (identical) matrix; ours is embed_tokens
+        return True
     return ckpt_name.endswith(tuple(model.ignored_checkpoint_suffixes))
 
 
-def plan_load(model: nn.Module, files: list[Path]) -> tuple[dict[tuple[Path, str], tuple[str, object]], int]:
-    """Read only the headers: {(file, checkpoint name): (param name, shard_id)} in file order, and the bytes to
-    stream. Raises CheckpointError naming every missing, unexpected or misshapen tensor."""
+def plan_load(model: nn.Module,
+              files: list[Path]) -> tuple[dict[tuple[Path, str], tuple[str, object]], int]:
+    """Read only the headers: {(file, checkpoint name): (param name, shard_id)} in file order, and
+    the bytes to stream. Raises CheckpointError naming every missing, unexpected or misshapen
+    tensor."""
     pieces = expected_pieces(model)
     params = dict(model.named_parameters())
     plan: dict[tuple[Path, str], tuple[str, object]] = {}
@@ -152,8 +172,8 @@ def plan_load(model: nn.Module, files: list[Path]) -> tuple[dict[tuple[Path, str
 
 
 def dry_run(param: nn.Parameter, shape: list[int], target: tuple[str, object], what: str) -> None:
-    """Run the parameter's weight_loader on shape-only "meta" tensors: a wrong shape is refused from the header,
-    before a byte of weights is read, by the same code that will do the real copy."""
+    """Run the parameter's weight_loader on shape-only "meta" tensors: a wrong shape is refused from
+    the header, before a byte of weights is read, by the same code that will do the real copy."""
     param_name, shard_id = target
     loader = getattr(param, "weight_loader", default_weight_loader)
     try:
@@ -178,7 +198,8 @@ def mismatch_message(model: nn.Module, path: Path, missing: list[str], unexpecte
         parts.append(f"{len(unexpected)} unexpected tensor(s): {some(unexpected, with_file=True)}.")
     hint = prefix_hint(missing, unexpected)
     if hint is None:  # a renamed tensor or two: point at the likely pairs
-        pairs = [(u, difflib.get_close_matches(u, missing, n=1, cutoff=0.8)) for u in sorted(unexpected)[:3]]
+        pairs = [(u, difflib.get_close_matches(u, missing, n=1, cutoff=0.8))
+                 for u in sorted(unexpected)[:3]]
         close = [f"{u!r} looks like {m[0]!r}" for u, m in pairs if m]
         hint = f"Renamed tensors? {'; '.join(close)}." if close else None
     return " ".join(parts + ([hint] if hint else []))
@@ -188,7 +209,8 @@ def prefix_hint(missing: list[str], unexpected: list[str]) -> str | None:
     """Detect the common whole-checkpoint mistake: every name off by the same leading prefix."""
     votes: Counter = Counter()
     missing_set, unexpected_set = set(missing), set(unexpected)
-    for names, others, kind in ((unexpected, missing_set, "extra"), (missing, unexpected_set, "lacks")):
+    for names, others, kind in ((unexpected, missing_set, "extra"), (missing, unexpected_set,
+                                                                     "lacks")):
         for name in names:
             parts = name.split(".")
             for i in range(1, len(parts)):
@@ -201,15 +223,21 @@ def prefix_hint(missing: list[str], unexpected: list[str]) -> str | None:
     if n < max(1, len(unexpected) // 2):
         return None
     if kind == "extra":
-        return (f"Prefix mismatch: {n} checkpoint names carry an extra leading {prefix!r} (saved from a wrapper "
-                f"such as DDP or PEFT?); strip it from the names.")
-    return (f"Prefix mismatch: {n} checkpoint names lack the leading {prefix!r} (saved from the bare decoder, "
-            f"e.g. LlamaModel, rather than ...ForCausalLM?).")
+        return (
+            f"Prefix mismatch: {n} checkpoint names carry an extra leading {prefix!r} (saved from "
+            "a wrapper "
+            f"such as DDP or PEFT?); strip it from the names."
+        )
+    return (
+        f"Prefix mismatch: {n} checkpoint names lack the leading {prefix!r} (saved from the bare "
+        "decoder, "
+        f"e.g. LlamaModel, rather than ...ForCausalLM?)."
+    )
 
 
 def load_weights(model: nn.Module, model_path: Path, progress: bool | None = None) -> LoadStats:
-    """Fill every parameter of `model` from the checkpoint folder. progress: show a tqdm bar (None: if stderr
-    is a terminal)."""
+    """Fill every parameter of `model` from the checkpoint folder. progress: show a tqdm bar (None:
+    if stderr is a terminal)."""
     start = time.perf_counter()
     files = find_checkpoint_files(Path(model_path))
     plan, total_bytes = plan_load(model, files)
@@ -221,13 +249,16 @@ def load_weights(model: nn.Module, model_path: Path, progress: bool | None = Non
         for file, name in plan:  # file order: each file is read front to back
             param_name, shard_id = plan[file, name]
             param = params[param_name]
-            # safe_open memory-maps the file and get_tensor reads nothing: the copy below faults the tensor's pages
-            # in. Those pages stay in our resident memory until the map is closed, so one map per tensor (a header
-            # parse: microseconds) keeps the peak at model + one tensor instead of model + the whole file.
+            # safe_open memory-maps the file and get_tensor reads nothing: the copy below faults the
+            # tensor's pages in. Those pages stay in our resident memory until the map is closed, so
+            # one map per tensor (a header parse: microseconds) keeps the peak at model + one tensor
+            # instead of model + the whole file.
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 tensor = f.get_tensor(name)
-                loader = getattr(param, "weight_loader", default_weight_loader)  # plain params: whole copy
-                loader(param, tensor, shard_id)  # converts dtype/device as it copies; shapes were checked
+                # plain params: whole copy
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                # converts dtype/device as it copies; shapes were checked
+                loader(param, tensor, shard_id)
                 nbytes = tensor.numel() * tensor.element_size()
                 stats.checkpoint_dtypes[str(tensor.dtype).removeprefix("torch.")] += nbytes
                 del tensor  # the last reference to the map's pages

@@ -1,4 +1,5 @@
-"""Stage 6 — the radix-tree prefix cache: compute a shared prefix once, reuse its KV across requests."""
+"""Stage 6 — the radix-tree prefix cache: compute a shared prefix once, reuse its KV across
+requests."""
 
 from .core import Batch, Req, ReqStatus, SamplingParams
 from .llm import LLM, GenerateResult, StreamChunk

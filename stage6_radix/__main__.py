@@ -28,10 +28,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--memory-report", action="store_true",
-                        help="print what the weights and the KV cache cost, then the load statistics")
+    parser.add_argument(
+        "--memory-report", action="store_true",
+        help="print what the weights and the KV cache cost, then the load statistics")
     parser.add_argument("--quiet", action="store_true", help="no one-line load report")
-    ServerArgs.add_cli_args(parser.add_argument_group("engine options (ServerArgs, server_args.py)"))
+    ServerArgs.add_cli_args(
+        parser.add_argument_group("engine options (ServerArgs, server_args.py)"))
     args = parser.parse_args(argv)
     prompts = args.prompt or ["What is the capital of France? Answer in one paragraph.",
                               "Write a haiku about the sea.", "List three uses of a paperclip."]
@@ -40,9 +42,10 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         params = SamplingParams(
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            min_p=args.min_p, repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-            presence_penalty=args.presence_penalty, stop=args.stop, seed=args.seed, ignore_eos=args.ignore_eos)
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+            frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+            stop=args.stop, seed=args.seed, ignore_eos=args.ignore_eos)
         llm = LLM.from_server_args(ServerArgs.from_cli_args(args), verbose=not args.quiet)
         if args.memory_report:
             print_memory_report(llm)
@@ -60,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             results = llm.generate(inputs, params)
         elapsed = time.perf_counter() - start
-    except (ValueError, FileNotFoundError) as exc:  # bad options, UnsupportedModelError, CheckpointError
+    # bad options, UnsupportedModelError, CheckpointError
+    except (ValueError, FileNotFoundError) as exc:
         parser.exit(2, f"error: {exc}\n")
     if results is not None:
         texts = [f"error: {r.error}" if r.error else r.text for r in results]
@@ -68,23 +72,36 @@ def main(argv: list[str] | None = None) -> None:
         tokens = sum(r.completion_tokens for r in results)
     for prompt, text, reason in zip(prompts, texts, reasons):
         print(f"--- {prompt!r} (finish_reason={reason})\n{text}")
-    print(f"\n[{len(prompts)} requests, {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} tokens/s, "
-          f"attention backend {llm.engine.attn_backend.name}, {llm.engine.kv_plan.summary()}, CUDA graphs "
-          f"{'on' if llm.engine.graph_runner else 'off'}, overlap {'on' if llm.scheduler.overlap else 'off'}, "
-          f"prefix cache {'off' if llm.scheduler.cache.tree is None else 'on'}: hit rate "
-          f"{100 * llm.scheduler.cache_hit_rate:.0f}%, tree {llm.scheduler.tree_tokens} tokens]")
+    print(
+        f"\n[{len(prompts)} requests, {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} "
+        "tokens/s, "
+        f"attention backend {llm.engine.attn_backend.name}, {llm.engine.kv_plan.summary()}, CUDA "
+        "graphs "
+        f"{'on' if llm.engine.graph_runner else 'off'}, overlap "
+        f"{'on' if llm.scheduler.overlap else 'off'}, "
+        f"prefix cache {'off' if llm.scheduler.cache.tree is None else 'on'}: hit rate "
+        f"{100 * llm.scheduler.cache_hit_rate:.0f}%, tree {llm.scheduler.tree_tokens} tokens]"
+    )
 
 
 def print_memory_report(llm: LLM) -> None:
     report, stats, cfg = llm.engine.memory_report(), llm.engine.load_stats, llm.engine.config
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
-    print(f"model      {cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q / "
-          f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}, vocab {cfg.vocab_size}, tied={cfg.tie_word_embeddings}")
+    print(
+        f"model      {cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_heads} q / "
+        f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}, vocab {cfg.vocab_size}, "
+        f"tied={cfg.tie_word_embeddings}"
+    )
     print(f"weights    {report.num_params / 1e6:.1f}M params, {mib(report.param_bytes)}: "
           + ", ".join(f"{d} {mib(b)}" for d, b in report.param_bytes_by_dtype.items()))
-    print(f"KV cache   2 x {cfg.num_layers} layers x {cfg.num_kv_heads} kv heads x {cfg.head_dim} x {report.kv_dtype} "
-          f"= {report.kv_bytes_per_token} bytes/token; "
-          f"{mib(report.kv_bytes_per_token * report.max_context_len)} at the {report.max_context_len}-token context")
+    print(
+        f"KV cache   2 x {cfg.num_layers} layers x {cfg.num_kv_heads} kv heads x {cfg.head_dim} x "
+        f"{report.kv_dtype} "
+        f"= {report.kv_bytes_per_token} bytes/token; "
+        f"{mib(report.kv_bytes_per_token * report.max_context_len)} at the "
+        f"{report.max_context_len}-token context"
+    )
     print(f"KV pool    {llm.engine.kv_plan.summary()}")
     print(f"loaded     {stats.tensors} tensors from {stats.files} file(s), {mib(stats.bytes_read)} "
           f"({', '.join(sorted(stats.checkpoint_dtypes))} on disk) in {stats.seconds:.2f} s\n")

@@ -1,15 +1,16 @@
-"""The engine: the model, the paged KV pool and page table, and one forward pass of a Batch. No scheduling here:
-the scheduler decides which requests run, gives them pages, and calls `forward`.
+"""The engine: the model, the paged KV pool and page table, and one forward pass of a Batch. No
+scheduling here: the scheduler decides which requests run, gives them pages, and calls `forward`.
 
-    prefill batch: the uncached tokens of each request (a whole prompt, a chunk of one, or a preempted request's
-                   prompt + output to recompute), packed into [N]
+    prefill batch: the uncached tokens of each request (a whole prompt, a chunk of one, or a
+                   preempted request's prompt + output to recompute), packed into [N]
     decode batch:  one token per running request, [B]
     both:          -> logits [B, vocab] of each request's last fed token
 
-Stage 5 splits `forward` into `prepare` (host: build the tensors; the overlap scheduler runs it on the CPU while the
-device is busy with the previous step) and `run` (device: the model, by CUDA-graph replay for decode batches on a
-GPU, eagerly otherwise). An input id < 0 is a *future token*: -(row + 1) stands for the token the previous step
-sampled for page-table row `row`, which is still on the device in `future_tokens` (see scheduler.py).
+Stage 5 splits `forward` into `prepare` (host: build the tensors; the overlap scheduler runs it on
+the CPU while the device is busy with the previous step) and `run` (device: the model, by CUDA-graph
+replay for decode batches on a GPU, eagerly otherwise). An input id < 0 is a *future token*: -(row +
+1) stands for the token the previous step sampled for page-table row `row`, which is still on the
+device in `future_tokens` (see scheduler.py).
 """
 
 from __future__ import annotations
@@ -34,23 +35,28 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def check_device(device: str | torch.device) -> torch.device:
-    """The torch.device for `device`, refusing one this machine lacks with a message that says so (not a traceback
-    from deep inside torch at the first allocation)."""
+    """The torch.device for `device`, refusing one this machine lacks with a message that says so
+    (not a traceback from deep inside torch at the first allocation)."""
     try:
         dev = torch.device(device)
     except RuntimeError as e:
         raise ValueError(f"unknown device {device!r} ({e})") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(dev)!r} asked for, but torch {torch.__version__} sees no CUDA GPU here; "
-                         "use device='cpu'")
+        raise ValueError(
+            f"device {str(dev)!r} asked for, but torch {torch.__version__} sees no CUDA GPU here; "
+            "use device='cpu'")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"device {str(dev)!r} asked for, but this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+        raise ValueError(
+            f"device {str(dev)!r} asked for, but this machine has {torch.cuda.device_count()} CUDA "
+            "GPU(s)"
+        )
     return dev
 
 
 @dataclass
 class MemoryReport:
-    """What the model costs in memory: the weights once, plus the KV cache per token of every sequence."""
+    """What the model costs in memory: the weights once, plus the KV cache per token of every
+    sequence."""
 
     param_bytes_by_dtype: dict[str, int]  # unique storage: a tied lm_head is counted once
     num_params: int
@@ -64,9 +70,12 @@ class MemoryReport:
 
     def summary(self) -> str:
         by_dtype = ", ".join(f"{d} {_mb(b)}" for d, b in self.param_bytes_by_dtype.items())
-        return (f"weights {_mb(self.param_bytes)} ({self.num_params / 1e6:.1f}M params: {by_dtype}); "
-                f"KV cache {self.kv_bytes_per_token / 1024:.1f} KiB/token ({self.kv_dtype}), "
-                f"{_mb(self.kv_bytes_per_token * self.max_context_len)} for one {self.max_context_len}-token sequence")
+        return (
+            f"weights {_mb(self.param_bytes)} ({self.num_params / 1e6:.1f}M params: {by_dtype}); "
+            f"KV cache {self.kv_bytes_per_token / 1024:.1f} KiB/token ({self.kv_dtype}), "
+            f"{_mb(self.kv_bytes_per_token * self.max_context_len)} for one "
+            f"{self.max_context_len}-token sequence"
+        )
 
 
 def _mb(n: int) -> str:
@@ -74,7 +83,8 @@ def _mb(n: int) -> str:
 
 
 def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
-    """A torch dtype, a name, or "auto": the checkpoint's own dtype (float32 when config.json does not say)."""
+    """A torch dtype, a name, or "auto": the checkpoint's own dtype (float32 when config.json does
+    not say)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -84,9 +94,12 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
     return DTYPES[dtype]
 
 
-CPU_KV_FRACTION = 0.25  # a CPU's default: this share of the RAM available after loading the weights ...
-CPU_KV_CAP_BYTES = 1 << 30  # ... but at most 1 GiB (zeroing the pool costs start-up time; pass max_total_tokens)
-GPU_MEM_FRACTION_STATIC = 0.88  # a GPU's default: weights + KV cache may use this share of the device's memory
+# a CPU's default: this share of the RAM available after loading the weights ...
+CPU_KV_FRACTION = 0.25
+# ... but at most 1 GiB (zeroing the pool costs start-up time; pass max_total_tokens)
+CPU_KV_CAP_BYTES = 1 << 30
+# a GPU's default: weights + KV cache may use this share of the device's memory
+GPU_MEM_FRACTION_STATIC = 0.88
 
 
 @dataclass
@@ -103,12 +116,14 @@ class KVPoolPlan:
         return self.num_pages * self.page_size
 
     def summary(self) -> str:
-        return (f"KV pool {self.max_total_tokens} tokens ({self.num_pages} pages of {self.page_size}), "
-                f"{_mb(self.max_total_tokens * self.bytes_per_token)}: {self.reason}")
+        return (
+            f"KV pool {self.max_total_tokens} tokens ({self.num_pages} pages of {self.page_size}), "
+            f"{_mb(self.max_total_tokens * self.bytes_per_token)}: {self.reason}")
 
 
 def available_ram_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux): what can be allocated without swapping; else the physical RAM."""
+    """MemAvailable from /proc/meminfo (Linux): what can be allocated without swapping; else the
+    physical RAM."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -119,109 +134,145 @@ def available_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def plan_kv_pool(device: torch.device, bytes_per_token: int, page_size: int, max_total_tokens: int | None,
-                 mem_fraction_static: float | None, max_tokens_needed: int) -> KVPoolPlan:
+def plan_kv_pool(device: torch.device, bytes_per_token: int, page_size: int, max_total_tokens: int
+                 | None, mem_fraction_static: float | None, max_tokens_needed: int) -> KVPoolPlan:
     """Size the KV pool as SGLang does, once the weights are loaded.
 
     - max_total_tokens given: exactly that many tokens (rounded down to whole pages).
-    - CUDA: weights + KV may take mem_fraction_static of the GPU; the rest is left for activations, CUDA graphs
-      and the allocator. KV bytes = free now - total * (1 - mem_fraction_static).
+    - CUDA: weights + KV may take mem_fraction_static of the GPU; the rest is left for activations,
+      CUDA graphs and the allocator. KV bytes = free now - total * (1 - mem_fraction_static).
     - CPU: mem_fraction_static (default 0.25) of the RAM available now, capped at 1 GiB.
-    Never more than max_tokens_needed (every row of the page table at the full context): the rest could not be used.
+    Never more than max_tokens_needed (every row of the page table at the full context): the rest
+    could not be used.
     """
     if max_total_tokens is not None:
-        return KVPoolPlan(max_total_tokens // page_size, page_size, bytes_per_token, "max_total_tokens")
+        return KVPoolPlan(max_total_tokens // page_size, page_size, bytes_per_token,
+                          "max_total_tokens")
     if device.type == "cuda":
         frac = GPU_MEM_FRACTION_STATIC if mem_fraction_static is None else mem_fraction_static
         free, total = torch.cuda.mem_get_info(device)
         budget = free - total * (1 - frac)
-        reason = (f"mem_fraction_static={frac} of {total / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free after "
-                  "the weights")
+        reason = (
+            f"mem_fraction_static={frac} of {total / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free "
+            "after "
+            "the weights"
+        )
     else:
         frac = CPU_KV_FRACTION if mem_fraction_static is None else mem_fraction_static
         available = available_ram_bytes()
         budget = min(frac * available, CPU_KV_CAP_BYTES)
-        reason = f"{frac} of {available / 2**30:.1f} GiB available RAM, at most {CPU_KV_CAP_BYTES >> 30} GiB"
+        reason = (
+            f"{frac} of {available / 2**30:.1f} GiB available RAM, at most "
+            f"{CPU_KV_CAP_BYTES >> 30} GiB"
+        )
     tokens = int(budget // bytes_per_token)
-    if tokens > max_tokens_needed:  # more than every page-table row at the full context could ever use
+    # more than every page-table row at the full context could ever use
+    if tokens > max_tokens_needed:
         tokens, reason = max_tokens_needed, "max_running_requests x the context length"
     if tokens < page_size:
-        raise ValueError(f"no room for a KV cache: {reason} gives {max(budget, 0) / 2**20:.1f} MiB, less than one "
-                         f"page of {page_size} tokens ({bytes_per_token} bytes per token); raise "
-                         "mem_fraction_static or pass max_total_tokens")
+        raise ValueError(
+            f"no room for a KV cache: {reason} gives {max(budget, 0) / 2**20:.1f} MiB, less than "
+            "one "
+            f"page of {page_size} tokens ({bytes_per_token} bytes per token); raise "
+            "mem_fraction_static or pass max_total_tokens"
+        )
     return KVPoolPlan(tokens // page_size, page_size, bytes_per_token, reason)
 
 
 class Engine:
-    def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
-                 attention_backend: str | None = None, page_size: int = 16, max_running_requests: int = 128,
+
+    def __init__(self, model_path: str | Path, device: str = "cpu",
+                 dtype: str | torch.dtype = "float32", attention_backend: str | None = None,
+                 page_size: int = 16, max_running_requests: int = 128,
                  max_total_tokens: int | None = None, mem_fraction_static: float | None = None,
-                 eos_token_ids: set[int] | None = None, progress: bool | None = None, verbose: bool = True,
-                 cuda_graph: bool = True, cuda_graph_max_bs: int = 64, enable_torch_compile: bool = False,
-                 torch_compile_max_bs: int = 8):
-        """max_total_tokens: the KV pool's size in tokens (default: sized from memory, see plan_kv_pool).
-        mem_fraction_static: the share of memory for weights + KV cache (default 0.88 of a GPU; on a CPU 0.25 of
-        the available RAM, for the KV cache alone, at most 1 GiB). eos_token_ids: the tokenizer's (tokenizer.py);
-        default: read from the checkpoint's configs. progress: a progress bar while loading (None: when stderr is
-        a terminal). verbose: one line on load. enable_torch_compile (CPU): decode batches of up to
-        torch_compile_max_bs requests run torch.compile'd code, one graph per CUDA-graph bucket (graph.py)."""
+                 eos_token_ids: set[int] | None = None, progress: bool | None = None,
+                 verbose: bool = True, cuda_graph: bool = True, cuda_graph_max_bs: int = 64,
+                 enable_torch_compile: bool = False, torch_compile_max_bs: int = 8):
+        """max_total_tokens: the KV pool's size in tokens (default: sized from memory, see
+        plan_kv_pool). mem_fraction_static: the share of memory for weights + KV cache (default 0.88
+        of a GPU; on a CPU 0.25 of the available RAM, for the KV cache alone, at most 1 GiB).
+        eos_token_ids: the tokenizer's (tokenizer.py); default: read from the checkpoint's configs.
+        progress: a progress bar while loading (None: when stderr is a terminal). verbose: one line
+        on load. enable_torch_compile (CPU): decode batches of up to torch_compile_max_bs requests
+        run torch.compile'd code, one graph per CUDA-graph bucket (graph.py)."""
         model_path = Path(model_path)
         if not (model_path / "config.json").exists():
-            raise FileNotFoundError(f"no config.json in {model_path}: not a Hugging Face model folder")
+            raise FileNotFoundError(
+                f"no config.json in {model_path}: not a Hugging Face model folder")
         if page_size < 1 or max_running_requests < 1:
             raise ValueError(f"page_size and max_running_requests must be >= 1, got {page_size}, "
                              f"{max_running_requests}")
-        if cuda_graph_max_bs < 1:  # checked on every device: a setting that would fail on a GPU fails here too
+        # checked on every device: a setting that would fail on a GPU fails here too
+        if cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {cuda_graph_max_bs}")
         if enable_torch_compile and torch_compile_max_bs < 1:
             raise ValueError(f"torch_compile_max_bs must be >= 1, got {torch_compile_max_bs}")
         if max_total_tokens is not None and max_total_tokens < page_size:
-            raise ValueError(f"max_total_tokens={max_total_tokens} holds no page of {page_size} tokens")
+            raise ValueError(
+                f"max_total_tokens={max_total_tokens} holds no page of {page_size} tokens")
         if mem_fraction_static is not None and not 0.0 < mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
         hf_config = json.loads((model_path / "config.json").read_text())
         config = ModelConfig.from_hf(hf_config)  # refuses what it cannot run, before any allocation
         dtype = resolve_dtype(dtype, config)
         self.device, self.dtype = check_device(device), dtype
-        self.eos_token_ids = set(eos_token_ids) if eos_token_ids else read_eos_token_ids(model_path, hf_config)
+        self.eos_token_ids = set(eos_token_ids) if eos_token_ids else read_eos_token_ids(
+            model_path, hf_config)
         self.attn_backend = create_backend(attention_backend, self.device)
 
-        self.model = build_model(config, self.device, dtype)  # empty, already in its dtype and on its device
+        # empty, already in its dtype and on its device
+        self.model = build_model(config, self.device, dtype)
         self.config = cfg = self.model.config  # the family's view (e.g. Qwen2 adds qkv_bias)
         self.load_stats = load_weights(self.model, model_path, progress=progress)
 
-        # The KV pool is sized once, after the weights are in memory: every page any request will ever use is here.
-        bytes_per_token = PagedKVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
-        self.kv_plan = plan_kv_pool(self.device, bytes_per_token, page_size, max_total_tokens, mem_fraction_static,
+        # The KV pool is sized once, after the weights are in memory: every page any request will
+        # ever use is here.
+        bytes_per_token = PagedKVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads,
+                                                      cfg.head_dim, dtype)
+        self.kv_plan = plan_kv_pool(self.device, bytes_per_token, page_size, max_total_tokens,
+                                    mem_fraction_static,
                                     max_tokens_needed=max_running_requests * self.max_context_len)
-        # CUDA graphs pad batches with rows whose K/V must land somewhere harmless: one extra page that the cache
-        # manager never sees (num_pages stays the usable count) holds the dummy slot.
+        # CUDA graphs pad batches with rows whose K/V must land somewhere harmless: one extra page
+        # that the cache manager never sees (num_pages stays the usable count) holds the dummy slot.
         use_graphs = cuda_graph and can_capture(self.device)
         if enable_torch_compile and self.device.type != "cpu":
-            raise ValueError("enable_torch_compile is the CPU's stand-in for CUDA graphs; on CUDA the graphs run")
+            raise ValueError(
+                "enable_torch_compile is the CPU's stand-in for CUDA graphs; on CUDA the graphs run"
+            )
         use_compile = enable_torch_compile and not use_graphs
         num_pages = self.kv_plan.num_pages
-        self.kv_pool = PagedKVPool(cfg.num_layers, num_pages + int(use_graphs or use_compile), page_size,
-                                   cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
+        self.kv_pool = PagedKVPool(cfg.num_layers, num_pages + int(use_graphs or use_compile),
+                                   page_size, cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
         self.kv_pool.num_pages = num_pages
-        self.dummy_slot = num_pages * page_size  # first slot of the reserved page (used only with graphs)
+        # first slot of the reserved page (used only with graphs)
+        self.dummy_slot = num_pages * page_size
         if verbose:
             s = self.load_stats
-            print(f"[{type(self.model).__name__} from {model_path.name}: {s.tensors} tensors from {s.files} "
-                  f"file(s) in {s.seconds:.2f} s] {self.memory_report().summary()}; {self.kv_plan.summary()}",
-                  file=sys.stderr)
+            print(
+                f"[{type(self.model).__name__} from {model_path.name}: {s.tensors} tensors from "
+                f"{s.files} "
+                f"file(s) in {s.seconds:.2f} s] {self.memory_report().summary()}; "
+                f"{self.kv_plan.summary()}",
+                file=sys.stderr,
+            )
         max_pages_per_req = -(-self.max_context_len // page_size)
         self.page_table = PageTable(max_running_requests, max_pages_per_req, self.device)
 
-        # Stage 5: the last sampled token of each page-table row, kept on the device for the next step's input.
-        self.future_tokens = torch.zeros(max_running_requests, dtype=torch.long, device=self.device)  # [rows]
-        self.num_graph_replays = self.num_eager_forwards = 0  # which path ran (the tests check CPU stays eager)
-        self.graph_runner = GraphRunner(self, min(cuda_graph_max_bs, max_running_requests)) if use_graphs else None
+        # Stage 5: the last sampled token of each page-table row, kept on the device for the next
+        # step's input. [rows]
+        self.future_tokens = torch.zeros(max_running_requests, dtype=torch.long, device=self.device)
+        # which path ran (the tests check CPU stays eager)
+        self.num_graph_replays = self.num_eager_forwards = 0
+        self.graph_runner = GraphRunner(self, min(cuda_graph_max_bs,
+                                                  max_running_requests)) if use_graphs else None
         if use_compile:
-            self.graph_runner = CompiledRunner(self, min(torch_compile_max_bs, max_running_requests))
+            self.graph_runner = CompiledRunner(self, min(torch_compile_max_bs,
+                                                         max_running_requests))
             if verbose:
-                times = ", ".join(f"{bs}: {t:.1f} s" for bs, t in sorted(self.graph_runner.compile_seconds.items()))
-                print(f"[torch.compile of the decode forward, per batch-size bucket: {times}]", file=sys.stderr)
+                times = ", ".join(f"{bs}: {t:.1f} s"
+                                  for bs, t in sorted(self.graph_runner.compile_seconds.items()))
+                print(f"[torch.compile of the decode forward, per batch-size bucket: {times}]",
+                      file=sys.stderr)
 
     def memory_report(self) -> MemoryReport:
         by_dtype: dict[str, int] = {}
@@ -231,9 +282,10 @@ class Engine:
             by_dtype[name] = by_dtype.get(name, 0) + param.numel() * param.element_size()
             num_params += param.numel()
         cfg = self.config
-        kv_per_token = PagedKVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        return MemoryReport(by_dtype, num_params, kv_per_token, str(self.dtype).removeprefix("torch."),
-                            self.max_context_len)
+        kv_per_token = PagedKVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                                   self.dtype)
+        return MemoryReport(by_dtype, num_params, kv_per_token,
+                            str(self.dtype).removeprefix("torch."), self.max_context_len)
 
     @property
     def max_context_len(self) -> int:
@@ -253,11 +305,13 @@ class Engine:
             positions += range(req.cached_len, req.device_len)
             seqlens.append(len(ids))
             last.append(len(input_ids) - 1)
-        assert len(batch.out_cache_loc) == len(input_ids), "the scheduler must give every new token a KV slot"
+        assert len(batch.out_cache_loc) == len(
+            input_ids), "the scheduler must give every new token a KV slot"
         dev = self.device
         prefix_lens = [r.cached_len for r in batch.reqs]
         seq_lens = [r.device_len for r in batch.reqs]
-        as_tensor = lambda xs, dtype=torch.int32: torch.tensor(xs, dtype=dtype, device=dev)  # noqa: E731
+        # noqa: E731
+        as_tensor = lambda xs, dtype=torch.int32: torch.tensor(xs, dtype=dtype, device=dev)
         fb = ForwardBatch(
             phase=batch.phase,
             input_ids=as_tensor(input_ids, torch.long),  # [N]
@@ -283,8 +337,10 @@ class Engine:
         return self.run(self.prepare(batch))  # [B, vocab]
 
     def run(self, fb: ForwardBatch) -> torch.Tensor:
-        """The device half of a step: resolve future tokens, then graph replay (decode on CUDA) or eager."""
-        ids = fb.input_ids  # [N]; -(row + 1) = "the token row `row` sampled last step", still on the device
+        """The device half of a step: resolve future tokens, then graph replay (decode on CUDA) or
+        eager."""
+        # [N]; -(row + 1) = "the token row `row` sampled last step", still on the device
+        ids = fb.input_ids
         fb.input_ids = torch.where(ids < 0, self.future_tokens[(-ids - 1).clamp(min=0)], ids)
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             self.num_graph_replays += 1

@@ -1,24 +1,27 @@
-"""The CUDA-graph runner: record a decode step once per batch-size bucket, then replay it with one launch.
+"""The CUDA-graph runner: record a decode step once per batch-size bucket, then replay it with one
+launch.
 
-Why: a decode step of a small model is hundreds of tiny kernels (per layer: norms, 4 matmuls, RoPE, the KV store,
-attention, the MLP). Each launch costs the CPU a few microseconds, so at batch 1 the GPU finishes each kernel before
-the CPU has launched the next: the step is bound by Python + launch overhead, not by the GPU. A CUDA graph records
-the whole sequence of kernels once (with their pointer arguments) and `replay()` launches all of it in one call.
+Why: a decode step of a small model is hundreds of tiny kernels (per layer: norms, 4 matmuls, RoPE,
+the KV store, attention, the MLP). Each launch costs the CPU a few microseconds, so at batch 1 the
+GPU finishes each kernel before the CPU has launched the next: the step is bound by Python + launch
+overhead, not by the GPU. A CUDA graph records the whole sequence of kernels once (with their
+pointer arguments) and `replay()` launches all of it in one call.
 
 The price: a graph replays *exactly* what was recorded, so
-- every tensor it reads or writes must live at a fixed address: static buffers, filled with `copy_` before replay;
-- every shape is fixed: one graph per batch size. Real batches are padded up to the next bucket
-  (1, 2, 4, 8, then steps of 8) and the padded rows' logits are dropped;
-- nothing may depend on host-side values of the data: no `.item()`, no shapes computed from `seq_lens` on the host.
-  The triton and flash_attn backends read `seq_lens` on the device already. The torch backend's varlen layout is
-  sized on the host every step, so the captured ForwardBatch carries none (no `init_forward_metadata`) and the
-  backend falls back to its padded gather of `max_seq_len` keys: we give it the largest context the page table can
-  describe (correct, slower);
-- padded rows still run: each writes its K/V to a reserved dummy slot (a page no request ever owns), with
-  seq_len 1, page-table row 0 (only read, and the result is dropped), token 0 at position 0.
+- every tensor it reads or writes must live at a fixed address: static buffers, filled with `copy_`
+  before replay;
+- every shape is fixed: one graph per batch size. Real batches are padded up to the next bucket (1,
+  2, 4, 8, then steps of 8) and the padded rows' logits are dropped;
+- nothing may depend on host-side values of the data: no `.item()`, no shapes computed from
+  `seq_lens` on the host. The triton and flash_attn backends read `seq_lens` on the device already.
+  The torch backend's varlen layout is sized on the host every step, so the captured ForwardBatch
+  carries none (no `init_forward_metadata`) and the backend falls back to its padded gather of
+  `max_seq_len` keys: we give it the largest context the page table can describe (correct, slower);
+- padded rows still run: each writes its K/V to a reserved dummy slot (a page no request ever owns),
+  with seq_len 1, page-table row 0 (only read, and the result is dropped), token 0 at position 0.
 
-All graphs share one memory pool (`pool=`): they never run at the same time, so the big bucket's intermediate
-buffers are reused by the smaller ones (captured largest first, as SGLang does).
+All graphs share one memory pool (`pool=`): they never run at the same time, so the big bucket's
+intermediate buffers are reused by the smaller ones (captured largest first, as SGLang does).
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ import torch
 
 from .attention import ForwardBatch
 
-# The CUDA API this file uses. CPU tests swap in common/graph_emulator.py, which records and replays ops the way a
-# graph does, so the buffers, padding and replay below run (and are checked for graph safety) without a GPU.
+# The CUDA API this file uses. CPU tests swap in common/graph_emulator.py, which records and replays
+# ops the way a graph does, so the buffers, padding and replay below run (and are checked for graph
+# safety) without a GPU.
 cuda = torch.cuda
 
 
@@ -58,41 +62,48 @@ class GraphRunner:
     def __init__(self, engine, max_bs: int):
         self.engine, self.buckets = engine, bucket_sizes(max_bs)
         self.max_bs, dev = self.buckets[-1], engine.device
-        self.dummy_slot = engine.dummy_slot  # a KV slot of the reserved page: padded rows write here
-        # Static inputs, [max_bs] each; a bucket of size bs uses the first bs entries (views keep the address).
+        # a KV slot of the reserved page: padded rows write here
+        self.dummy_slot = engine.dummy_slot
+        # Static inputs, [max_bs] each; a bucket of size bs uses the first bs entries (views keep
+        # the address).
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.long, device=dev)
         self.positions = torch.zeros(self.max_bs, dtype=torch.long, device=dev)
-        self.out_cache_loc = torch.full((self.max_bs,), self.dummy_slot, dtype=torch.long, device=dev)
+        self.out_cache_loc = torch.full((self.max_bs, ), self.dummy_slot, dtype=torch.long,
+                                        device=dev)
         self.req_rows = torch.zeros(self.max_bs, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
         self.prefix_lens = torch.zeros(self.max_bs, dtype=torch.int32, device=dev)  # decode: unused
-        self.cu_seqlens = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)  # one token per row
+        # one token per row
+        self.cu_seqlens = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
         self.last_token_indices = torch.arange(self.max_bs, dtype=torch.long, device=dev)
         # The torch backend gathers max_seq_len keys: capture with the most the page table can hold.
         self.max_seq_len = engine.page_table.table.shape[1] * engine.kv_pool.page_size
         self.graphs: dict[int, cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # bs -> static logits [bs, vocab] the graph writes
+        # bs -> static logits [bs, vocab] the graph writes
+        self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.capture()
 
     def forward_batch(self, bs: int) -> ForwardBatch:
-        """The static ForwardBatch of bucket bs: views of the buffers above, the engine's pool and page table, and no
-        attention metadata (it would freeze one step's layout into the graph)."""
+        """The static ForwardBatch of bucket bs: views of the buffers above, the engine's pool and
+        page table, and no attention metadata (it would freeze one step's layout into the graph)."""
         e = self.engine
         return ForwardBatch(
             phase="decode", input_ids=self.input_ids[:bs], positions=self.positions[:bs],
-            out_cache_loc=self.out_cache_loc[:bs], req_rows=self.req_rows[:bs], prefix_lens=self.prefix_lens[:bs],
-            seq_lens=self.seq_lens[:bs], cu_seqlens=self.cu_seqlens[: bs + 1], max_seqlen=1,
-            max_seq_len=self.max_seq_len, prefix_lens_cpu=[], seq_lens_cpu=[],
-            last_token_indices=self.last_token_indices[:bs], kv_pool=e.kv_pool, page_table=e.page_table.table,
-            attn_backend=e.attn_backend)
+            out_cache_loc=self.out_cache_loc[:bs], req_rows=self.req_rows[:bs],
+            prefix_lens=self.prefix_lens[:bs], seq_lens=self.seq_lens[:bs],
+            cu_seqlens=self.cu_seqlens[:bs + 1], max_seqlen=1, max_seq_len=self.max_seq_len,
+            prefix_lens_cpu=[], seq_lens_cpu=[], last_token_indices=self.last_token_indices[:bs],
+            kv_pool=e.kv_pool, page_table=e.page_table.table, attn_backend=e.attn_backend)
 
     def _run_model(self, bs: int) -> torch.Tensor:
-        return self.engine.model(self.input_ids[:bs], self.positions[:bs], self.forward_batch(bs))  # [bs, vocab]
+        # [bs, vocab]
+        return self.engine.model(self.input_ids[:bs], self.positions[:bs], self.forward_batch(bs))
 
     def capture(self) -> None:
-        # Warm up outside capture on a side stream: cuBLAS handles, Triton compilation and autotuning must not
-        # happen while recording (torch's documented recipe). The buffers hold padding: writes go to the dummy slot.
+        # Warm up outside capture on a side stream: cuBLAS handles, Triton compilation and
+        # autotuning must not happen while recording (torch's documented recipe). The buffers hold
+        # padding: writes go to the dummy slot.
         side = cuda.Stream(self.engine.device)
         side.wait_stream(cuda.current_stream(self.engine.device))
         with cuda.stream(side):
@@ -112,11 +123,13 @@ class GraphRunner:
         return fb.phase == "decode" and fb.batch_size <= self.max_bs
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
-        """Copy a real decode batch into the static buffers, pad to the bucket, replay -> logits [B, vocab]."""
+        """Copy a real decode batch into the static buffers, pad to the bucket, replay -> logits [B,
+        vocab]."""
         B = fb.batch_size
         bs = self.load_inputs(fb)
         self.graphs[bs].replay()
-        # A view of the static output: valid until the next replay, which the caller's stream orders after its use.
+        # A view of the static output: valid until the next replay, which the caller's stream orders
+        # after its use.
         return self.outputs[bs][:B]
 
     def load_inputs(self, fb: ForwardBatch) -> int:
@@ -138,21 +151,25 @@ class GraphRunner:
 
 
 # ---------------------------------------------------------------- a CPU: the same runner, compiled
-# A CPU has no graphs to replay, but the cost they remove is there too: a decode step of a small model is hundreds
-# of operators, each paying Python and torch's dispatch, small next to the matmuls only when the batch is large.
-# torch.compile (inductor's CPU backend) turns the decode forward of one bucket into generated C++ loops (norms,
-# RoPE, SwiGLU and residual adds fused) around the matmul kernels, with the shapes fixed (dynamic=False): one compiled
-# graph per bucket, the same buckets, static buffers and padding as above. What it cannot take in is the torch
-# backend's attention, whose layout is decided on the host each step: it stays one opaque operator per layer
-# (vLLM and SGLang keep attention out of their compiled graphs the same way), which reads the step's real batch.
+# A CPU has no graphs to replay, but the cost they remove is there too: a decode step of a small
+# model is hundreds of operators, each paying Python and torch's dispatch, small next to the matmuls
+# only when the batch is large. torch.compile (inductor's CPU backend) turns the decode forward of
+# one bucket into generated C++ loops (norms, RoPE, SwiGLU and residual adds fused) around the
+# matmul kernels, with the shapes fixed (dynamic=False): one compiled graph per bucket, the same
+# buckets, static buffers and padding as above. What it cannot take in is the torch backend's
+# attention, whose layout is decided on the host each step: it stays one opaque operator per layer
+# (vLLM and SGLang keep attention out of their compiled graphs the same way), which reads the step's
+# real batch.
 _OP = f"{__name__.split('.')[0]}::step_attention"  # each stage package registers its own operator
 _step_batch: list[ForwardBatch | None] = [None]  # the real ForwardBatch of the step being replayed
 
 
 @torch.library.custom_op(_OP, mutates_args=())
-def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-    """q [bs, H, D], k/v [bs, KVH, D] of a padded bucket -> [bs, H, D]: the real rows stored and attended by the
-    engine's backend, with the metadata it built for this step; the padded rows' outputs are zeros."""
+def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   layer_id: int) -> torch.Tensor:
+    """q [bs, H, D], k/v [bs, KVH, D] of a padded bucket -> [bs, H, D]: the real rows stored and
+    attended by the engine's backend, with the metadata it built for this step; the padded rows'
+    outputs are zeros."""
     fb = _step_batch[0]
     B = fb.batch_size
     out = fb.attn_backend.forward(q[:B], k[:B], v[:B], layer_id, fb)  # [B, H, D]
@@ -165,7 +182,8 @@ def _(q, k, v, layer_id):
 
 
 class StepAttention:
-    """The attention backend a compiled graph sees: one operator per layer that torch.compile does not enter."""
+    """The attention backend a compiled graph sees: one operator per layer that torch.compile does
+    not enter."""
 
     name = "step_attention"
 
@@ -174,16 +192,19 @@ class StepAttention:
 
 
 class CompiledRunner(GraphRunner):
-    """GraphRunner's buckets, buffers and padding; "capture" compiles the decode forward for each bucket, "replay"
-    calls that compiled code. `compile_seconds[bs]`: what each bucket's compile cost."""
+    """GraphRunner's buckets, buffers and padding; "capture" compiles the decode forward for each
+    bucket, "replay" calls that compiled code. `compile_seconds[bs]`: what each bucket's compile
+    cost."""
 
     def capture(self) -> None:
         import torch._dynamo
 
         # one compiled graph per bucket, all kept (dynamo's default keeps 8 per function)
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, len(self.buckets) + 1)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
+                                                    len(self.buckets) + 1)
         model = self.engine.model
-        forward = type(model).forward.__wrapped__  # without its inference_mode: compiled code runs under no_grad
+        # without its inference_mode: compiled code runs under no_grad
+        forward = type(model).forward.__wrapped__
 
         def decode_forward(input_ids, positions, fb):
             return forward(model, input_ids, positions, fb)  # [bs, vocab]
@@ -200,7 +221,8 @@ class CompiledRunner(GraphRunner):
             self.compile_seconds[bs] = time.perf_counter() - start
 
     def padding_batch(self, bs: int) -> ForwardBatch:
-        """A real batch of bs padding rows (the dummy slot, page-table row 0, one key), for the compiling calls."""
+        """A real batch of bs padding rows (the dummy slot, page-table row 0, one key), for the
+        compiling calls."""
         e = self.engine
         fb = self.forward_batch(bs)
         fb.input_ids, fb.positions = fb.input_ids.clone(), fb.positions.clone()
@@ -214,7 +236,8 @@ class CompiledRunner(GraphRunner):
         _step_batch[0] = fb
         try:
             with torch.no_grad():
-                return self.compiled(self.input_ids[:bs], self.positions[:bs], self.static_batches[bs])
+                return self.compiled(self.input_ids[:bs], self.positions[:bs],
+                                     self.static_batches[bs])
         finally:
             _step_batch[0] = None
 

@@ -1,4 +1,5 @@
-"""Stage 8 — the server: an OpenAI-compatible HTTP service in front of the engine (python -m stage8_server)."""
+"""Stage 8 — the server: an OpenAI-compatible HTTP service in front of the engine (python -m
+stage8_server)."""
 
 from .core import Batch, Req, ReqStatus, SamplingParams
 from .distributed import TPError

@@ -1,8 +1,8 @@
-"""python -m stage8_server --model M --port 30000            serve the OpenAI-compatible API (the default)
-python -m stage8_server --prompt "..." [--prompt "..."] [--stream]   generate offline, as earlier stages did
+"""python -m stage8_server --model M --port 30000   serve the OpenAI-compatible API (the default)
+python -m stage8_server --prompt "..." [--prompt "..."] [--stream]   offline, as earlier stages
 
-Engine flags apply to both; sampling flags (--temperature, --stop, ...) to the offline run only: a server takes
-them from each request."""
+Engine flags apply to both; sampling flags (--temperature, --stop, ...) to the offline run only: a
+server takes them from each request."""
 
 from __future__ import annotations
 
@@ -18,15 +18,17 @@ from .llm import resolve_model_path, serve_node
 from .server_args import ServerArgs
 
 
-OFFLINE_FLAGS = ("chat", "stream", "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                 "frequency_penalty", "presence_penalty", "stop", "seed", "ignore_eos", "memory_report")
+OFFLINE_FLAGS = ("chat", "stream", "max_new_tokens", "temperature", "top_k", "top_p", "min_p",
+                 "repetition_penalty", "frequency_penalty", "presence_penalty", "stop", "seed",
+                 "ignore_eos", "memory_report")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m stage8_server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompt", action="append",
-                        help="generate offline for this prompt instead of serving (repeat for several requests)")
+    parser.add_argument(
+        "--prompt", action="append",
+        help="generate offline for this prompt instead of serving (repeat for several requests)")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="wrap each prompt in the model's chat template (default on)")
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
@@ -41,10 +43,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--memory-report", action="store_true",
-                        help="print what the weights and the KV cache cost, then the load statistics")
+    parser.add_argument(
+        "--memory-report", action="store_true",
+        help="print what the weights and the KV cache cost, then the load statistics")
     parser.add_argument("--quiet", action="store_true", help="no one-line load report")
-    ServerArgs.add_cli_args(parser.add_argument_group("engine and server options (ServerArgs, server_args.py)"))
+    ServerArgs.add_cli_args(
+        parser.add_argument_group("engine and server options (ServerArgs, server_args.py)"))
     args = parser.parse_args(argv)
     if args.log_interval:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -52,7 +56,8 @@ def main(argv: list[str] | None = None) -> None:
         server_args = ServerArgs.from_cli_args(args)
     except ValueError as exc:
         parser.exit(2, f"error: {exc}\n")
-    if server_args.node_rank > 0:  # another machine's share of the tensor-parallel ranks: serve them till node 0 ends
+    # another machine's share of the tensor-parallel ranks: serve them till node 0 ends
+    if server_args.node_rank > 0:
         try:
             serve_node(server_args)
         except (ValueError, FileNotFoundError, TPError) as exc:
@@ -64,25 +69,31 @@ def main(argv: list[str] | None = None) -> None:
         offline_only = [f"--{name.replace('_', '-')}" for name in OFFLINE_FLAGS
                         if getattr(args, name) != parser.get_default(name)]
         if offline_only:
-            parser.error(f"{', '.join(offline_only)}: for the offline run (with --prompt); a server takes sampling "
-                         "parameters from each request")
+            parser.error(
+                f"{', '.join(offline_only)}: for the offline run (with --prompt); a server takes "
+                "sampling "
+                "parameters from each request"
+            )
 
         try:  # every process loads the same folder; clients still name the model as it was given
-            server_args = replace(server_args, model_path=str(resolve_model_path(server_args.model_path)),
-                                  served_model_name=server_args.served_model_name or server_args.model_path)
+            server_args = replace(
+                server_args, model_path=str(resolve_model_path(server_args.model_path)),
+                served_model_name=server_args.served_model_name or server_args.model_path)
         except (ValueError, FileNotFoundError) as exc:
             parser.exit(2, f"error: {exc}\n")
         sys.exit(launch_server(server_args, verbose=not args.quiet))
     run_offline(parser, args, server_args)
 
 
-def run_offline(parser: argparse.ArgumentParser, args: argparse.Namespace, server_args: ServerArgs) -> None:
+def run_offline(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                server_args: ServerArgs) -> None:
     prompts = args.prompt
     try:
         params = SamplingParams(
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            min_p=args.min_p, repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-            presence_penalty=args.presence_penalty, stop=args.stop, seed=args.seed, ignore_eos=args.ignore_eos)
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+            frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+            stop=args.stop, seed=args.seed, ignore_eos=args.ignore_eos)
         llm = LLM.from_server_args(server_args, verbose=not args.quiet)
         if args.memory_report:
             print_memory_report(llm)
@@ -100,7 +111,8 @@ def run_offline(parser: argparse.ArgumentParser, args: argparse.Namespace, serve
         else:
             results = llm.generate(inputs, params)
         elapsed = time.perf_counter() - start
-    except (ValueError, FileNotFoundError, TPError) as exc:  # UnsupportedModelError, CheckpointError included
+    # UnsupportedModelError, CheckpointError included
+    except (ValueError, FileNotFoundError, TPError) as exc:
         parser.exit(2, f"error: {exc}\n")
     if results is not None:
         texts = [f"error: {r.error}" if r.error else r.text for r in results]
@@ -108,23 +120,36 @@ def run_offline(parser: argparse.ArgumentParser, args: argparse.Namespace, serve
         tokens = sum(r.completion_tokens for r in results)
     for prompt, text, reason in zip(prompts, texts, reasons):
         print(f"--- {prompt!r} (finish_reason={reason})\n{text}")
-    print(f"\n[{len(prompts)} requests, {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} tokens/s, "
-          f"attention backend {llm.engine.attn_backend.name}, {llm.engine.kv_plan.summary()}, CUDA graphs "
-          f"{'on' if llm.engine.graph_runner else 'off'}, overlap {'on' if llm.scheduler.overlap else 'off'}, "
-          f"prefix cache {'off' if llm.scheduler.cache.tree is None else 'on'}: hit rate "
-          f"{100 * llm.scheduler.cache_hit_rate:.0f}%, tree {llm.scheduler.tree_tokens} tokens]")
+    print(
+        f"\n[{len(prompts)} requests, {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} "
+        "tokens/s, "
+        f"attention backend {llm.engine.attn_backend.name}, {llm.engine.kv_plan.summary()}, CUDA "
+        "graphs "
+        f"{'on' if llm.engine.graph_runner else 'off'}, overlap "
+        f"{'on' if llm.scheduler.overlap else 'off'}, "
+        f"prefix cache {'off' if llm.scheduler.cache.tree is None else 'on'}: hit rate "
+        f"{100 * llm.scheduler.cache_hit_rate:.0f}%, tree {llm.scheduler.tree_tokens} tokens]"
+    )
 
 
 def print_memory_report(llm: LLM) -> None:
     report, stats, cfg = llm.engine.memory_report(), llm.engine.load_stats, llm.engine.config
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
-    print(f"model      {cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q / "
-          f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}, vocab {cfg.vocab_size}, tied={cfg.tie_word_embeddings}")
+    print(
+        f"model      {cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_heads} q / "
+        f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}, vocab {cfg.vocab_size}, "
+        f"tied={cfg.tie_word_embeddings}"
+    )
     print(f"weights    {report.num_params / 1e6:.1f}M params, {mib(report.param_bytes)}: "
           + ", ".join(f"{d} {mib(b)}" for d, b in report.param_bytes_by_dtype.items()))
-    print(f"KV cache   2 x {cfg.num_layers} layers x {cfg.num_kv_heads} kv heads x {cfg.head_dim} x {report.kv_dtype} "
-          f"= {report.kv_bytes_per_token} bytes/token; "
-          f"{mib(report.kv_bytes_per_token * report.max_context_len)} at the {report.max_context_len}-token context")
+    print(
+        f"KV cache   2 x {cfg.num_layers} layers x {cfg.num_kv_heads} kv heads x {cfg.head_dim} x "
+        f"{report.kv_dtype} "
+        f"= {report.kv_bytes_per_token} bytes/token; "
+        f"{mib(report.kv_bytes_per_token * report.max_context_len)} at the "
+        f"{report.max_context_len}-token context"
+    )
     print(f"KV pool    {llm.engine.kv_plan.summary()}")
     print(f"loaded     {stats.tensors} tensors from {stats.files} file(s), {mib(stats.bytes_read)} "
           f"({', '.join(sorted(stats.checkpoint_dtypes))} on disk) in {stats.seconds:.2f} s\n")

@@ -1,31 +1,39 @@
-"""The building blocks every model family shares: norms, rotary embedding, embedding and linear layers.
+"""The building blocks every model family shares: norms, rotary embedding, embedding and linear
+layers.
 
 Shapes use: N = tokens in this forward pass (all requests of the batch, packed), H = query heads,
 KVH = key/value heads (GQA: H is a multiple of KVH), D = head_dim.
 
-New in stage 3: linear layers that own their loading. Every parameter carries a `weight_loader(param, tensor,
-shard_id)` (SGLang's convention), so the checkpoint loader never needs to know a layer's layout. That is what lets
-two layers stop mirroring the checkpoint one to one:
+New in stage 3: linear layers that own their loading. Every parameter carries a
+`weight_loader(param, tensor, shard_id)` (SGLang's convention), so the checkpoint loader never needs
+to know a layer's layout. That is what lets two layers stop mirroring the checkpoint one to one:
 
-    q_proj, k_proj, v_proj (3 matmuls)  ->  qkv_proj      one [q + 2 kv, hidden] weight, shard_id "q" / "k" / "v"
-    gate_proj, up_proj     (2 matmuls)  ->  gate_up_proj  one [2 * inter, hidden] weight, shard_id 0 / 1
+    q_proj, k_proj, v_proj (3 matmuls) -> qkv_proj      [q + 2 kv, hidden], shard_id "q" / "k" / "v"
+    gate_proj, up_proj     (2 matmuls) -> gate_up_proj  [2 * inter, hidden], shard_id 0 / 1
 
-All three projections read the same input, so one matmul over the stacked weight computes them together: fewer
-kernel launches and a larger, more efficient GEMM (the input is read once). The output is split afterwards.
+All three projections read the same input, so one matmul over the stacked weight computes them
+together: fewer kernel launches and a larger, more efficient GEMM (the input is read once). The
+output is split afterwards.
 
-Stage 7, tensor parallelism (Megatron-LM's scheme, SGLang's names): every big matrix is split over tp_size ranks,
-and each rank computes with its slice. An attention block and an MLP each need just ONE all-reduce:
+Stage 7, tensor parallelism (Megatron-LM's scheme, SGLang's names): every big matrix is split over
+tp_size ranks, and each rank computes with its slice. An attention block and an MLP each need just
+ONE all-reduce:
 
-    ColumnParallelLinear  (qkv_proj, gate_up_proj)  output rows split: each rank gets its heads / its slice of the
-                                                    intermediate size, and computes on them alone (no comm.)
-    RowParallelLinear     (o_proj, down_proj)       input columns split: each rank's product is a partial sum,
-                                                    all-reduced into the full [N, hidden]
-    VocabParallelEmbedding, ParallelLMHead          vocabulary split: masked lookup + all-reduce; logits all-gathered
+    ColumnParallelLinear (qkv_proj, gate_up_proj)  output rows split: each rank gets its heads / its
+                                                   slice of the intermediate size, and computes on
+                                                       them
+                                                   alone (no communication)
+    RowParallelLinear    (o_proj, down_proj)       input columns split: each rank's product is a
+                                                   partial sum, all-reduced into the full [N,
+                                                       hidden]
+    VocabParallelEmbedding, ParallelLMHead         vocabulary split: masked lookup + all-reduce;
+                                                   logits all-gathered
 
-With tp_size 1 (the default) nothing is split and no collective is called: the layers compute exactly stage 6's.
+With tp_size 1 (the default) nothing is split and no collective is called: the layers compute
+exactly stage 6's.
 
-Parameters are created with torch.empty, not initialised: the loader overwrites every one of them, and checks
-that it did, so random init would only cost time (seconds for a large model on a CPU).
+Parameters are created with torch.empty, not initialised: the loader overwrites every one of them,
+and checks that it did, so random init would only cost time (seconds for a large model on a CPU).
 """
 
 from __future__ import annotations
@@ -57,27 +65,32 @@ class RMSNorm(nn.Module):
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """How RoPE frequencies are stretched for long context. rope_type "default" means no stretching."""
+    """How RoPE frequencies are stretched for long context. rope_type "default" means no
+    stretching."""
 
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only: the context the model was pre-trained on
+    # llama3 only: the context the model was pre-trained on
+    original_max_position_embeddings: int = 8192
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
-    """The rotation speed of each of the D/2 dimension pairs, float32 [D/2] (transformers' formulas, exactly).
+    """The rotation speed of each of the D/2 dimension pairs, float32 [D/2] (transformers' formulas,
+    exactly).
 
-    Pair i turns by position * inv_freq[i] radians: pair 0 fastest (wavelength 2*pi tokens), the last pair slowest
-    (wavelength ~2*pi*theta). Scaling slows the slow pairs down so that a longer context stays in the range of
-    angles the model saw in training:
-      linear: every pair slowed by `factor`.
-      llama3: pairs whose wavelength is short next to the pre-training context (local detail, < orig/high_freq)
-              unchanged; long ones (> orig/low_freq) slowed by `factor`; those in between blended smoothly.
+    Pair i turns by position * inv_freq[i] radians: pair 0 fastest (wavelength 2*pi tokens), the
+    last pair slowest (wavelength ~2*pi*theta). Scaling slows the slow pairs down so that a longer
+    context stays in the range of angles the model saw in training:
+      linear: every pair slowed by `factor`. llama3: pairs whose wavelength is short next to the
+      pre-training context (local detail, < orig/high_freq)
+              unchanged; long ones (> orig/low_freq) slowed by `factor`; those in between blended
+              smoothly.
     """
     scaling = scaling or RopeScaling()
-    dims = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()  # on the CPU: same bits everywhere
+    # on the CPU: same bits everywhere
+    dims = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
     inv_freq = 1.0 / (theta ** (dims / head_dim))
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
@@ -85,8 +98,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
         orig, factor = scaling.original_max_position_embeddings, scaling.factor
         low, high = scaling.low_freq_factor, scaling.high_freq_factor
         wavelen = 2 * math.pi / inv_freq  # [D/2] tokens per full turn
-        scaled = torch.where(wavelen > orig / low, inv_freq / factor, inv_freq)  # long wavelengths: slowed
-        smooth = (orig / wavelen - low) / (high - low)  # 0 at wavelen = orig/low .. 1 at wavelen = orig/high
+        # long wavelengths: slowed
+        scaled = torch.where(wavelen > orig / low, inv_freq / factor, inv_freq)
+        # 0 at wavelen = orig/low .. 1 at wavelen = orig/high
+        smooth = (orig / wavelen - low) / (high - low)
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= orig / high) & (wavelen <= orig / low)
         return torch.where(is_medium, blended, scaled)
@@ -97,16 +112,18 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
 class RotaryEmbedding(nn.Module):
     """RoPE: rotate each (x_i, x_{i+D/2}) pair of q and k by an angle position * inv_freq[i].
 
-    Attention scores q.k then depend only on the distance between two positions. inv_freq and the angles stay in
-    float32 whatever the model's dtype (a bfloat16 inv_freq would be off by up to 0.4%, i.e. radians of error by
-    position ~1000); only cos/sin are cast, as transformers does.
+    Attention scores q.k then depend only on the distance between two positions. inv_freq and the
+    angles stay in float32 whatever the model's dtype (a bfloat16 inv_freq would be off by up to
+    0.4%, i.e. radians of error by position ~1000); only cos/sin are cast, as transformers does.
     """
 
     def __init__(self, head_dim: int, rope_theta: float, scaling: RopeScaling | None = None):
         super().__init__()
-        # Built under `with torch.device(...)` (engine.build_model): move to that device, keep float32.
+        # Built under `with torch.device(...)` (engine.build_model): move to that device, keep
+        # float32.
         inv_freq = rope_inv_freq(head_dim, rope_theta, scaling).to(torch.get_default_device())
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2], float32, not in checkpoints
+        # [D/2], float32, not in checkpoints
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions: [N]; q: [N, H, D]; k: [N, KVH, D]
@@ -122,25 +139,27 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-# On a CPU, torch hands a float32 matrix product to MKL, whose sgemm takes a slow generic path on some CPUs (measured
-# here, an AMD EPYC: 2-3x slower than oneDNN's AVX-512 kernels for 40-512 rows). oneDNN, which torch already uses for
-# bfloat16, has fast kernels for both; a single row (batch-1 decode) is a matrix-vector product, bound by reading the
-# weights, where MKL's is as fast as any.
+# On a CPU, torch hands a float32 matrix product to MKL, whose sgemm takes a slow generic path on
+# some CPUs (measured here, an AMD EPYC: 2-3x slower than oneDNN's AVX-512 kernels for 40-512 rows).
+# oneDNN, which torch already uses for bfloat16, has fast kernels for both; a single row (batch-1
+# decode) is a matrix-vector product, bound by reading the weights, where MKL's is as fast as any.
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if torch.backends.mkldnn.is_available() else ()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b) for x [N, in], W [out, in]: F.linear, with the products of several rows on oneDNN on a CPU."""
+    """x W^T (+ b) for x [N, in], W [out, in]: F.linear, with the products of several rows on oneDNN
+    on a CPU."""
     if x.device.type == "cpu" and x.dtype in ONEDNN_DTYPES and x.dim() == 2 and x.shape[0] > 1:
-        if torch.compiler.is_compiling():  # graph.py's compiled decode: an operator inductor calls as it is
+        # graph.py's compiled decode: an operator inductor calls as it is
+        if torch.compiler.is_compiling():
             return onednn_linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # [N, out]
     return F.linear(x, weight, bias)  # [N, out]
 
 
-# Inductor rewrites oneDNN's linear only for weights it has frozen into constants; ours are the model's parameters,
-# inputs of the compiled graph, so under torch.compile the call goes through an operator of our own, which inductor
-# leaves alone.
+# Inductor rewrites oneDNN's linear only for weights it has frozen into constants; ours are the
+# model's parameters, inputs of the compiled graph, so under torch.compile the call goes through an
+# operator of our own, which inductor leaves alone.
 @torch.library.custom_op(f"{__name__.split('.')[0]}::onednn_linear", mutates_args=())
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # [N, out]
@@ -152,16 +171,17 @@ def _(x, weight, bias):
 
 
 def copy_into(dst: torch.Tensor, loaded) -> None:
-    """Copy a checkpoint tensor (or the lazily read slice of one, weights.LazyTensor) into (a slice of) a parameter,
-    converting dtype and device on the way."""
+    """Copy a checkpoint tensor (or the lazily read slice of one, weights.LazyTensor) into (a slice
+    of) a parameter, converting dtype and device on the way."""
     if dst.shape != loaded.shape:
-        raise ValueError(f"checkpoint shape {tuple(loaded.shape)} != model shape {tuple(dst.shape)}")
+        raise ValueError(
+            f"checkpoint shape {tuple(loaded.shape)} != model shape {tuple(dst.shape)}")
     dst.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded.read())
 
 
 def take_shard(loaded, dim: int, index: int, size: int, full: int):
-    """Rows [index * size, (index + 1) * size) along dim of a checkpoint tensor that must be `full` long there.
-    On a memory-mapped checkpoint only those rows are read."""
+    """Rows [index * size, (index + 1) * size) along dim of a checkpoint tensor that must be `full`
+    long there. On a memory-mapped checkpoint only those rows are read."""
     if loaded.shape[dim] != full:
         raise ValueError(f"checkpoint shape {tuple(loaded.shape)}: dim {dim} should be {full}")
     return loaded.narrow(dim, index * size, size)
@@ -175,7 +195,8 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
 
 
 def _param(*shape: int) -> nn.Parameter:
-    """An uninitialised inference parameter (the loader fills it), with the default loader attached."""
+    """An uninitialised inference parameter (the loader fills it), with the default loader
+    attached."""
     param = nn.Parameter(torch.empty(*shape), requires_grad=False)
     param.weight_loader = default_weight_loader
     return param
@@ -188,10 +209,12 @@ def _split(n: int, tp: TPInfo, what: str) -> int:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T (+ b) with W's output rows split over the ranks: rank r holds rows [r * out/tp, (r+1) * out/tp).
-    Each rank computes its own slice of y; no communication (the next layer consumes the slice)."""
+    """y = x W^T (+ b) with W's output rows split over the ranks: rank r holds rows [r * out/tp,
+    (r+1) * out/tp). Each rank computes its own slice of y; no communication (the next layer
+    consumes the slice)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPInfo = SINGLE):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp: TPInfo = SINGLE):
         super().__init__()
         self.tp, self.in_features = tp, in_features
         self.out_features = _split(out_features, tp, "output size")  # this rank's rows
@@ -211,25 +234,30 @@ class ColumnParallelLinear(nn.Module):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel linears that read the same input, stacked along the output dim (stage 3's merged
-    linears). Every part is split over the ranks on its own: rank r holds its slice of each part, stacked.
+    """Several column-parallel linears that read the same input, stacked along the output dim (stage
+    3's merged linears). Every part is split over the ranks on its own: rank r holds its slice of
+    each part, stacked.
 
-    `output_sizes` maps each part's shard_id to its full width; `weight_loader(param, tensor, shard_id)` copies this
-    rank's slice of one part into its rows (or its slice of the bias)."""
+    `output_sizes` maps each part's shard_id to its full width; `weight_loader(param, tensor,
+    shard_id)` copies this rank's slice of one part into its rows (or its slice of the bias)."""
 
-    def __init__(self, in_features: int, output_sizes: dict, bias: bool = False, tp: TPInfo = SINGLE):
-        self.shard_offsets: dict = {}  # shard_id -> (first local row, local rows, which slice of the full part)
+    def __init__(self, in_features: int, output_sizes: dict, bias: bool = False,
+                 tp: TPInfo = SINGLE):
+        # shard_id -> (first local row, local rows, which slice of the full part)
+        self.shard_offsets: dict = {}
         offset = 0
         for shard_id, size in output_sizes.items():
             local = _split(size, tp, f"{shard_id!r} output size")
             self.shard_offsets[shard_id] = (offset, local, tp.rank)
             offset += local
         super().__init__(in_features, offset * tp.size, bias, tp)
-        self.output_sizes = [local for _, local, _ in self.shard_offsets.values()]  # y.split(output_sizes, -1)
+        # y.split(output_sizes, -1)
+        self.output_sizes = [local for _, local, _ in self.shard_offsets.values()]
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id) -> None:
         if shard_id not in self.shard_offsets:
-            raise ValueError(f"unknown shard_id {shard_id!r}; this layer stacks {list(self.shard_offsets)}")
+            raise ValueError(
+                f"unknown shard_id {shard_id!r}; this layer stacks {list(self.shard_offsets)}")
         start, local, index = self.shard_offsets[shard_id]
         part = take_shard(loaded, 0, index, local, local * self.full_rows(shard_id))
         copy_into(param.data.narrow(0, start, local), part)  # this rank's rows of the part
@@ -239,19 +267,24 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
-    """q, k and v projections as one matmul: this rank's [(H + 2 * KVH) / tp * D, hidden], shards "q", "k", "v".
+    """q, k and v projections as one matmul: this rank's [(H + 2 * KVH) / tp * D, hidden], shards
+    "q", "k", "v".
 
-    Query heads are split over the ranks. KV heads too when there are at least as many as ranks; with fewer (Qwen3-32B
-    has 8 KV heads: tp 16 would leave half a head per rank) each KV head is *replicated* on tp / KVH ranks, every rank
-    holding the one KV head that its query heads share."""
+    Query heads are split over the ranks. KV heads too when there are at least as many as ranks;
+    with fewer (Qwen3-32B has 8 KV heads: tp 16 would leave half a head per rank) each KV head is
+    *replicated* on tp / KVH ranks, every rank holding the one KV head that its query heads
+    share."""
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool = False,
-                 tp: TPInfo = SINGLE):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 bias: bool = False, tp: TPInfo = SINGLE):
         self.num_heads = _split(num_heads, tp, "num_attention_heads")  # this rank's query heads
         self.kv_replicas = max(1, tp.size // num_kv_heads)  # ranks that hold the same KV head
         self.num_kv_heads = max(1, num_kv_heads // tp.size)  # this rank's KV heads
-        super().__init__(hidden_size, {"q": num_heads * head_dim, "k": self.num_kv_heads * head_dim * tp.size,
-                                       "v": self.num_kv_heads * head_dim * tp.size}, bias, tp)
+        super().__init__(
+            hidden_size, {
+                "q": num_heads * head_dim, "k": self.num_kv_heads * head_dim * tp.size,
+                "v": self.num_kv_heads * head_dim * tp.size
+            }, bias, tp)
         for kv in ("k", "v"):  # which slice of the checkpoint's k/v rows this rank reads
             start, local, _ = self.shard_offsets[kv]
             self.shard_offsets[kv] = (start, local, tp.rank // self.kv_replicas)
@@ -261,12 +294,13 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T (+ b) with W's input columns split over the ranks: rank r holds columns [r * in/tp, ...), and its
-    input is the slice the column-parallel layer before it produced. Each rank's product is a *partial sum* over its
-    columns: one all-reduce adds them up (the only communication of an attention block or an MLP). The bias is
-    added once, after the sum."""
+    """y = x W^T (+ b) with W's input columns split over the ranks: rank r holds columns [r * in/tp,
+    ...), and its input is the slice the column-parallel layer before it produced. Each rank's
+    product is a *partial sum* over its columns: one all-reduce adds them up (the only communication
+    of an attention block or an MLP). The bias is added once, after the sum."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPInfo = SINGLE):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp: TPInfo = SINGLE):
         super().__init__()
         self.tp, self.out_features = tp, out_features
         self.in_features = _split(in_features, tp, "input size")
@@ -281,14 +315,16 @@ class RowParallelLinear(nn.Module):
         copy_into(param.data, take_shard(loaded, 1, self.tp.rank, cols, cols * self.tp.size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(linear(x, self.weight))  # [N, out]: partial sums, then summed over ranks
+        # [N, out]: partial sums, then summed over ranks
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token id -> row of a [vocab, hidden] matrix, the vocabulary split over the ranks (padded to a multiple of
-    tp): rank r holds ids [r * V/tp, (r+1) * V/tp). A rank looks up the ids it holds, writes zeros for the others,
-    and an all-reduce assembles every row. With tied embeddings the LM head reuses this matrix (`logits`)."""
+    """Token id -> row of a [vocab, hidden] matrix, the vocabulary split over the ranks (padded to a
+    multiple of tp): rank r holds ids [r * V/tp, (r+1) * V/tp). A rank looks up the ids it holds,
+    writes zeros for the others, and an all-reduce assembles every row. With tied embeddings the LM
+    head reuses this matrix (`logits`)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPInfo = SINGLE):
         super().__init__()
@@ -302,8 +338,10 @@ class VocabParallelEmbedding(nn.Module):
         if shard_id is not None:
             raise ValueError(f"this parameter is not merged, got shard_id={shard_id!r}")
         if loaded.shape[0] != self.num_embeddings:
-            raise ValueError(f"checkpoint shape {tuple(loaded.shape)}: dim 0 should be {self.num_embeddings}")
-        real = max(0, min(self.rows, self.num_embeddings - self.start))  # the last rank may hold padding rows
+            raise ValueError(
+                f"checkpoint shape {tuple(loaded.shape)}: dim 0 should be {self.num_embeddings}")
+        # the last rank may hold padding rows
+        real = max(0, min(self.rows, self.num_embeddings - self.start))
         param.data[real:].zero_()
         copy_into(param.data[:real], loaded.narrow(0, self.start, real))
 
@@ -312,13 +350,16 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(input_ids, self.weight)  # [N, hidden]
         local = input_ids - self.start
         mine = (local >= 0) & (local < self.rows)  # [N]: ids this rank holds
-        x = F.embedding(local.clamp(0, self.rows - 1), self.weight) * mine[:, None]  # [N, hidden], zeros elsewhere
+        # [N, hidden], zeros elsewhere
+        x = F.embedding(local.clamp(0, self.rows - 1), self.weight) * mine[:, None]
         return self.tp.all_reduce(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, hidden] -> [B, vocab]: each rank scores its share of the vocabulary, an all-gather joins them."""
+        """x [B, hidden] -> [B, vocab]: each rank scores its share of the vocabulary, an all-gather
+        joins them."""
         return self.tp.all_gather(linear(x, self.weight))[:, : self.num_embeddings]
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """An untied LM head: the same vocabulary split, its own [vocab, hidden] matrix; only `logits` is used."""
+    """An untied LM head: the same vocabulary split, its own [vocab, hidden] matrix; only `logits`
+    is used."""

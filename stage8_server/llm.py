@@ -1,8 +1,10 @@
 """The offline API every stage shares, now built on the scheduler's add_request / step loop.
 
-    llm.generate(prompts, params)        -> one GenerateResult per prompt (runs the loop until all are done)
+    llm.generate(prompts, params)        -> one GenerateResult per prompt (runs the loop until all
+                                         are done)
     llm.stream(prompts, params)          -> yields StreamChunk text deltas as tokens are produced
-    llm.add_request(...) / llm.step()    -> the loop itself, for requests that arrive while others run
+    llm.add_request(...) / llm.step()    -> the loop itself, for requests that arrive while others
+                                         run
 """
 
 from __future__ import annotations
@@ -19,15 +21,22 @@ import torch.distributed as dist
 
 from .constrained import check_grammar
 from .core import Req, SamplingParams
-from .distributed import SINGLE, TPError, broadcast_object, check_not_importing_main, describe, free_port
+from .distributed import (
+    SINGLE,
+    TPError,
+    broadcast_object,
+    check_not_importing_main,
+    describe,
+    free_port,
+)
 from .engine import check_device
 from .models import ModelConfig, check_tp_size
 from .scheduler import StepOutput
 from .server_args import ServerArgs
 from .tokenizer import Messages, TokenizerConfig
 from . import tp_worker
-from .tp_worker import (AbortRequest, AddRequest, Command, FlushCache, RankSpec, abandon_ranks, build_rank,
-                        rank_report, shutdown_ranks, start_ranks)
+from .tp_worker import (AbortRequest, AddRequest, Command, FlushCache, RankSpec, abandon_ranks,
+                        build_rank, rank_report, shutdown_ranks, start_ranks)
 
 Prompt = Union[str, list[int]]
 
@@ -37,10 +46,12 @@ class GenerateResult:
     prompt_token_ids: list[int]
     token_ids: list[int]  # the generated ids only
     text: str
-    finish_reason: str  # "stop", "length", "abort", or "error" (then `error` says why; nothing was generated)
+    # "stop", "length", "abort", or "error" (then `error` says why; nothing was generated)
+    finish_reason: str
     error: str | None = None
     matched_stop: int | str | None = None  # the stop token id or stop string that ended it
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache (their K/V were not computed again)
+    # prompt tokens served from the prefix cache (their K/V were not computed again)
+    cached_tokens: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -52,12 +63,13 @@ class GenerateResult:
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    """A local Hugging Face folder is used as is; a short name ("smollm2-135m-instruct") is fetched once into a
-    cache by the course's support code, the one place a stage calls into `common/`."""
+    """A local Hugging Face folder is used as is; a short name ("smollm2-135m-instruct") is fetched
+    once into a cache by the course's support code, the one place a stage calls into `common/`."""
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise ValueError(f"model folder {path} has no config.json: not a Hugging Face checkpoint")
+            raise ValueError(
+                f"model folder {path} has no config.json: not a Hugging Face checkpoint")
         return path
     if path.exists() or "/" in str(model) or "\\" in str(model):
         raise ValueError(f"model path {model!r} does not exist or is not a folder")
@@ -81,27 +93,34 @@ class StreamChunk:
 
 class LLM:
     def __init__(self, model: str | Path = ServerArgs.model_path, device: str = "cpu",
-                 dtype: str | torch.dtype = "float32", *, tokenizer_config: TokenizerConfig | None = None,
-                 verbose: bool = True, **options):
-        """model, device, dtype and every other option (page_size=..., max_running_requests=...): the fields of
-        ServerArgs (server_args.py holds their defaults, help and checks); an unknown one is a TypeError naming it.
-        verbose: print one line on load with the memory report and the KV pool's size.
+                 dtype: str | torch.dtype = "float32", *,
+                 tokenizer_config: TokenizerConfig | None = None, verbose: bool = True, **options):
+        """model, device, dtype and every other option (page_size=..., max_running_requests=...):
+        the fields of ServerArgs (server_args.py holds their defaults, help and checks); an unknown
+        one is a TypeError naming it. verbose: print one line on load with the memory report and the
+        KV pool's size.
 
-        Stage 7: tp_size > 1 splits the model over that many ranks: this process is rank 0, the others are spawned
-        (a script doing this must create the LLM under `if __name__ == "__main__":`, as with any spawned process).
-        With nnodes > 1 this process and tp_size / nnodes ranks run on this machine (node 0); each other node runs
-        `python -m stage8_server --node-rank N` with the same flags. dist_init_addr ("host:port", where rank 0 listens)
-        is needed then; on one node a free local port is picked. load_format "dummy": random weights.
-        enable_tp_sync_check: after every step, compare the batch each rank built and the tokens it sampled, and
-        raise TPDivergenceError naming the step and the ranks that differ (one gather over the control group per
-        step: a debugging guard, off by default).
+        Stage 7: tp_size > 1 splits the model over that many ranks: this process is rank 0, the
+        others are spawned (a script doing this must create the LLM under `if __name__ ==
+        "__main__":`, as with any spawned process). With nnodes > 1 this process and tp_size /
+        nnodes ranks run on this machine (node 0); each other node runs `python -m stage8_server
+        --node-rank N` with the same flags. dist_init_addr ("host:port", where rank 0 listens) is
+        needed then; on one node a free local port is picked. load_format "dummy": random weights.
+        enable_tp_sync_check: after every step, compare the batch each rank built and the tokens it
+        sampled, and raise TPDivergenceError naming the step and the ranks that differ (one gather
+        over the control group per step: a debugging guard, off by default).
 
-        With overlap on, the LLM owns a device-worker thread: `close()` (or `with LLM(...) as llm:`) stops it, and
-        the other ranks; an LLM that is garbage-collected, or still open when the interpreter exits, is closed then."""
-        self.server_args = args = ServerArgs.from_kwargs(model_path=model, device=device, dtype=dtype, **options)
+        With overlap on, the LLM owns a device-worker thread: `close()` (or `with LLM(...) as llm:`)
+        stops it, and the other ranks; an LLM that is garbage-collected, or still open when the
+        interpreter exits, is closed then."""
+        self.server_args = args = ServerArgs.from_kwargs(model_path=model, device=device,
+                                                         dtype=dtype, **options)
         if args.node_rank != 0:
-            raise ValueError(f"node_rank={args.node_rank}: the LLM runs on node 0; another node serves its ranks "
-                             "with serve_node (python -m stage8_server --node-rank N)")
+            raise ValueError(
+                f"node_rank={args.node_rank}: the LLM runs on node 0; another node serves its "
+                "ranks "
+                "with serve_node (python -m stage8_server --node-rank N)"
+            )
         if args.tp_size > 1:
             check_not_importing_main(f"LLM(tp_size={args.tp_size})")
         self.model_path = resolve_model_path(args.model_path)
@@ -111,22 +130,29 @@ class LLM:
             config = ModelConfig.from_hf(json.loads((self.model_path / "config.json").read_text()))
             check_tp_size(config, args.tp_size)  # before any rank is started
             if args.device != "cpu":
-                check_device(spec.device_for(spec.ranks_per_node - 1))  # every rank of this node needs its GPU
-            tp, self._control, self._ranks = start_ranks(spec, args.dist_init_addr or f"127.0.0.1:{free_port()}")
-        self._pending = Command()  # the control operations of this turn, applied by every rank at the next step
+                # every rank of this node needs its GPU
+                check_device(spec.device_for(spec.ranks_per_node - 1))
+            tp, self._control, self._ranks = start_ranks(
+                spec, args.dist_init_addr or f"127.0.0.1:{free_port()}")
+        # the control operations of this turn, applied by every rank at the next step
+        self._pending = Command()
         try:
             self.tokenizer, self.engine, self.scheduler = self._collective(
                 lambda: build_rank(spec, 0, tp, self._control, verbose))
         except BaseException:
-            abandon_ranks(self._ranks)  # they may be waiting for rank 0 in any collective: stop them
+            # they may be waiting for rank 0 in any collective: stop them
+            abandon_ranks(self._ranks)
             raise
-        # Runs once: at close(), when the LLM is garbage-collected, or at interpreter exit (weakref.finalize).
-        self._closer = weakref.finalize(self, shutdown_ranks, self.scheduler, self._control, self._ranks)
+        # Runs once: at close(), when the LLM is garbage-collected, or at interpreter exit
+        # (weakref.finalize).
+        self._closer = weakref.finalize(self, shutdown_ranks, self.scheduler, self._control,
+                                        self._ranks)
         self._next_rid = 0
 
     @classmethod
     def from_server_args(cls, server_args: ServerArgs, **kwargs) -> "LLM":
-        """The LLM of a ServerArgs built already (the command line's). kwargs: tokenizer_config, verbose."""
+        """The LLM of a ServerArgs built already (the command line's). kwargs: tokenizer_config,
+        verbose."""
         options = {f.name: getattr(server_args, f.name) for f in fields(server_args)}
         return cls(options.pop("model_path"), **options, **kwargs)
 
@@ -146,7 +172,8 @@ class LLM:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)):
-            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise ValueError(
+                f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt token list is empty: nothing to continue from")
@@ -161,8 +188,10 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages)
 
     # ---------------------------------------------------------------- the loop, exposed
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, priority: int = 0) -> int:
-        """Queue one request; returns its id. A bad request raises ValueError and leaves the engine untouched."""
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                    priority: int = 0) -> int:
+        """Queue one request; returns its id. A bad request raises ValueError and leaves the engine
+        untouched."""
         return self._add(prompt, sampling_params, priority).rid
 
     def _add(self, prompt: Prompt, sampling_params: SamplingParams | None, priority: int) -> Req:
@@ -171,27 +200,31 @@ class LLM:
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an int, got {priority!r}")
-        check_grammar(params)  # a grammar that does not parse is refused now, by name (the server does it too)
+        # a grammar that does not parse is refused now, by name (the server does it too)
+        check_grammar(params)
         req = Req(self._next_rid, self.encode(prompt), params, priority=priority)
         self.add_req(req)
         self._next_rid += 1
         return req
 
     def add_req(self, req: Req) -> None:
-        """Queue a request its caller built (stage 8's server picks its own rids and sets Req fields such as
-        return_logprob). A bad request raises ValueError and leaves the engine untouched."""
+        """Queue a request its caller built (stage 8's server picks its own rids and sets Req fields
+        such as return_logprob). A bad request raises ValueError and leaves the engine untouched."""
         params = req.sampling_params
         if self.tp_size > 1 and params.seed is None and not params.is_greedy:
-            req.sampling_params = replace(params, seed=random.getrandbits(63))  # every rank must draw the same token
-        self.scheduler.check_request(req)  # refused now, by name; accepted, it joins at the next step
+            # every rank must draw the same token
+            req.sampling_params = replace(params, seed=random.getrandbits(63))
+        # refused now, by name; accepted, it joins at the next step
+        self.scheduler.check_request(req)
         self._pending.ops.append(AddRequest(req))
 
     def step(self) -> list[StepOutput]:
-        """One forward pass of the engine; what each touched request produced. First every rank applies this
-        turn's control operations (adds, aborts, flushes) in the order they were called: with tensor parallelism
-        rank 0 broadcasts them, then all step together."""
+        """One forward pass of the engine; what each touched request produced. First every rank
+        applies this turn's control operations (adds, aborts, flushes) in the order they were
+        called: with tensor parallelism rank 0 broadcasts them, then all step together."""
         if self.closed:
-            raise RuntimeError("this LLM was closed (close() or the end of its `with` block): it cannot step")
+            raise RuntimeError(
+                "this LLM was closed (close() or the end of its `with` block): it cannot step")
         cmd, self._pending = self._pending, Command()
 
         def apply_and_step() -> list[StepOutput]:
@@ -202,12 +235,13 @@ class LLM:
         return self._collective(apply_and_step)
 
     def abort_request(self, rid: int) -> None:
-        """Stop a request at the next step: it finishes with reason "abort" and gives its pages back. (An unknown
-        or finished rid is ignored.)"""
+        """Stop a request at the next step: it finishes with reason "abort" and gives its pages
+        back. (An unknown or finished rid is ignored.)"""
         self._pending.ops.append(AbortRequest(rid))
 
     def flush_cache(self) -> None:
-        """At the next step, empty the prefix cache of everything no running request uses (on every rank)."""
+        """At the next step, empty the prefix cache of everything no running request uses (on every
+        rank)."""
         self._pending.ops.append(FlushCache())
 
     def has_request(self, rid: int) -> bool:
@@ -233,11 +267,12 @@ class LLM:
         return reports
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or any(isinstance(op, AddRequest) for op in self._pending.ops)
+        return self.scheduler.has_unfinished() or any(
+            isinstance(op, AddRequest) for op in self._pending.ops)
 
     def close(self) -> None:
-        """Read back the step in flight, stop the device-worker thread and the other ranks. The LLM cannot step
-        afterwards."""
+        """Read back the step in flight, stop the device-worker thread and the other ranks. The LLM
+        cannot step afterwards."""
         self._closer()
 
     @property
@@ -254,9 +289,10 @@ class LLM:
     def stream(self, prompts: Prompt | Sequence[Prompt],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                priorities: Sequence[int] | None = None) -> Iterator[StreamChunk]:
-        """Yield text deltas as they are produced. A bad request yields one chunk with reason "error".
-        A consumer that stops early (break, or close() on the generator) aborts the requests still running, so
-        their pages go back to the pool instead of decoding for nobody."""
+        """Yield text deltas as they are produced. A bad request yields one chunk with reason
+        "error". A consumer that stops early (break, or close() on the generator) aborts the
+        requests still running, so their pages go back to the pool instead of decoding for
+        nobody."""
         prompts = _as_prompt_list(prompts)
         params_list = _one_params_per_prompt(sampling_params, len(prompts))
         index_of: dict[int, int] = {}
@@ -274,17 +310,18 @@ class LLM:
                     if i is not None:
                         if out.finished:
                             del index_of[out.rid]
-                        yield StreamChunk(i, out.text_delta, out.new_token_ids, out.finished, out.finish_reason,
-                                          error=out.error, req=out.req)
-        finally:  # normal end: nothing left; GeneratorExit or an error: abort what this call started
+                        yield StreamChunk(i, out.text_delta, out.new_token_ids, out.finished,
+                                          out.finish_reason, error=out.error, req=out.req)
+        # normal end: nothing left; GeneratorExit or an error: abort what this call started
+        finally:
             for rid in index_of:
                 self.abort_request(rid)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  priorities: Sequence[int] | None = None) -> list[GenerateResult]:
-        """Generate for all prompts with continuous batching. A bad prompt or bad SamplingParams fails alone:
-        its result carries `error`, the others still run."""
+        """Generate for all prompts with continuous batching. A bad prompt or bad SamplingParams
+        fails alone: its result carries `error`, the others still run."""
         prompts = _as_prompt_list(prompts)
         texts = [""] * len(prompts)
         results: list[GenerateResult | None] = [None] * len(prompts)
@@ -294,24 +331,26 @@ class LLM:
                 results[chunk.index] = GenerateResult([], [], "", "error", error=chunk.error)
             elif chunk.finished:
                 req = chunk.req
-                results[chunk.index] = GenerateResult(req.input_ids, req.output_ids, texts[chunk.index],
-                                                      req.finish_reason, matched_stop=req.matched_stop,
-                                                      cached_tokens=req.cached_tokens)
+                results[chunk.index] = GenerateResult(
+                    req.input_ids, req.output_ids, texts[chunk.index], req.finish_reason,
+                    matched_stop=req.matched_stop, cached_tokens=req.cached_tokens)
         return results
 
 
 def serve_node(server_args: ServerArgs, tokenizer_config: TokenizerConfig | None = None) -> None:
-    """Run node server_args.node_rank (> 0) of a multi-node tensor-parallel engine: its tp_size / nnodes ranks,
-    until rank 0 (the LLM on node 0, with the same options) shuts them down. `python -m stage8_server --node-rank N`
-    calls this."""
+    """Run node server_args.node_rank (> 0) of a multi-node tensor-parallel engine: its tp_size /
+    nnodes ranks, until rank 0 (the LLM on node 0, with the same options) shuts them down. `python
+    -m stage8_server --node-rank N` calls this."""
     if server_args.node_rank == 0:
-        raise ValueError(f"node_rank must be in [1, {server_args.nnodes}) here; node 0 runs the LLM itself")
+        raise ValueError(
+            f"node_rank must be in [1, {server_args.nnodes}) here; node 0 runs the LLM itself")
     spec = RankSpec(resolve_model_path(server_args.model_path), tokenizer_config, server_args)
     tp_worker.serve_node(spec, server_args.node_rank, server_args.dist_init_addr)
 
 
 def _as_prompt_list(prompts) -> list:
-    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and
+                                    isinstance(prompts[0], int)):
         prompts = [prompts]
     if len(prompts) == 0:
         raise ValueError("no prompts given")

@@ -1,31 +1,36 @@
-"""What every tensor-parallel rank runs: its shard of the engine, the same scheduler, stepped in lockstep.
+"""What every tensor-parallel rank runs: its shard of the engine, the same scheduler, stepped in
+lockstep.
 
-SGLang's shape: every rank runs its own copy of the (deterministic) scheduler. Rank 0 owns the requests (it is the
-LLM's process): every control operation (add a request, abort one, flush the cache) is recorded, in call order, in
-one list; at the start of every step rank 0 broadcasts the list, and every rank, rank 0 included, applies it in
-that order before it steps. Then every rank takes the same scheduling decisions on the same state, launches the
-same batch on its shard, and the collectives inside the forward pass meet. Every rank samples the same token from
-the same (all-gathered) logits. Only rank 0 hands results to the caller.
+SGLang's shape: every rank runs its own copy of the (deterministic) scheduler. Rank 0 owns the
+requests (it is the LLM's process): every control operation (add a request, abort one, flush the
+cache) is recorded, in call order, in one list; at the start of every step rank 0 broadcasts the
+list, and every rank, rank 0 included, applies it in that order before it steps. Then every rank
+takes the same scheduling decisions on the same state, launches the same batch on its shard, and the
+collectives inside the forward pass meet. Every rank samples the same token from the same
+(all-gathered) logits. Only rank 0 hands results to the caller.
 
     rank 0 (LLM.step)                          rank r > 0 (run_follower)
     broadcast Command(ops)  --------------->   cmd = broadcast()
-    cmd.apply(scheduler)                       cmd.apply(scheduler)     the same ops, in the same order
+    cmd.apply(scheduler)                       cmd.apply(scheduler)     the same ops, in the same
+                                               order
     scheduler.step()  <== all-reduces ==>      scheduler.step()
     -> outputs to the caller                   (its outputs are dropped: they are rank 0's too)
 
-Applying an operation when it is called on rank 0 and later on the others would let the order differ: a flush
-then an abort keeps the aborted request's pages in rank 0's tree and drops them from the others', the next prompt
-with that prefix is matched differently, and the ranks' batches no longer have the same shape. At tp 1 the same
-list is applied at the same point: one code path.
+Applying an operation when it is called on rank 0 and later on the others would let the order
+differ: a flush then an abort keeps the aborted request's pages in rank 0's tree and drops them from
+the others', the next prompt with that prefix is matched differently, and the ranks' batches no
+longer have the same shape. At tp 1 the same list is applied at the same point: one code path.
 
-Structured outputs (stage 8) keep this shape: every rank compiles the request's grammar and runs its own
-matcher; the same logits give the same mask and the same token on every rank, so no token is broadcast. Only the
-moment a compile finishes differs between ranks, and the ranks agree on it (scheduler/grammar.py).
+Structured outputs (stage 8) keep this shape: every rank compiles the request's grammar and runs its
+own matcher; the same logits give the same mask and the same token on every rank, so no token is
+broadcast. Only the moment a compile finishes differs between ranks, and the ranks agree on it
+(scheduler/grammar.py).
 
-The alternative shape (rank 0 schedules alone and broadcasts each batch) sends more bytes every step and leaves
-the other ranks unable to run the overlap scheduler or the radix cache on their own; keeping the scheduler
-deterministic is the price of this one (no wall-clock decisions, the same pool size on every rank, the same random
-seeds: a request that samples without a seed gets one drawn on rank 0).
+The alternative shape (rank 0 schedules alone and broadcasts each batch) sends more bytes every step
+and leaves the other ranks unable to run the overlap scheduler or the radix cache on their own;
+keeping the scheduler deterministic is the price of this one (no wall-clock decisions, the same pool
+size on every rank, the same random seeds: a request that samples without a seed gets one drawn on
+rank 0).
 """
 
 from __future__ import annotations
@@ -40,8 +45,8 @@ import torch
 import torch.distributed as dist
 
 from .core import Req
-from .distributed import (SINGLE, LocalRanks, TPError, TPInfo, broadcast_object, check_in_sync, describe, destroy,
-                          init_process_groups, max_over_ranks)
+from .distributed import (SINGLE, LocalRanks, TPError, TPInfo, broadcast_object, check_in_sync,
+                          describe, destroy, init_process_groups, max_over_ranks)
 from .engine import Engine, check_device
 from .scheduler import Scheduler
 from .server_args import ServerArgs
@@ -50,7 +55,8 @@ from .tokenizer import Tokenizer, TokenizerConfig
 
 @dataclass
 class RankSpec:
-    """Everything a rank needs to build its part of the engine (sent to the spawned ranks, so: picklable)."""
+    """Everything a rank needs to build its part of the engine (sent to the spawned ranks, so:
+    picklable)."""
 
     model_path: Path  # resolved: every rank loads the same folder
     tokenizer_config: TokenizerConfig | None
@@ -65,7 +71,8 @@ class RankSpec:
         return self.server_args.tp_size // self.server_args.nnodes
 
     def device_for(self, rank: int) -> str:
-        device = check_device(self.server_args.device)  # an unknown or missing device is named here, on rank 0
+        # an unknown or missing device is named here, on rank 0
+        device = check_device(self.server_args.device)
         if device.type != "cuda" or self.tp_size == 1:
             return str(device)
         return f"cuda:{rank % self.ranks_per_node}"  # one GPU per rank of a node
@@ -98,8 +105,9 @@ ControlOp = Union[AddRequest, AbortRequest, FlushCache]
 
 @dataclass
 class Command:
-    """What rank 0 tells every rank at the start of a step: the control operations since the last step, in the
-    order they were called. Every rank, rank 0 included, applies them in that order, then steps."""
+    """What rank 0 tells every rank at the start of a step: the control operations since the last
+    step, in the order they were called. Every rank, rank 0 included, applies them in that order,
+    then steps."""
 
     ops: list[ControlOp] = field(default_factory=list)
     report: bool = False  # gather every rank's memory report instead of stepping
@@ -111,40 +119,44 @@ class Command:
 
 
 def build_rank(spec: RankSpec, rank: int, tp: TPInfo = SINGLE, control=None, verbose: bool = True):
-    """-> (tokenizer, engine, scheduler) of one rank. Every rank builds the same way, in the same order: the
-    engine's constructor meets the other ranks once (to agree on the KV pool's size)."""
+    """-> (tokenizer, engine, scheduler) of one rank. Every rank builds the same way, in the same
+    order: the engine's constructor meets the other ranks once (to agree on the KV pool's size)."""
     args = spec.server_args
     tokenizer = Tokenizer(spec.model_path, spec.tokenizer_config)
-    engine = Engine(spec.model_path, device=spec.device_for(rank), dtype=args.dtype,
-                    attention_backend=args.attention_backend, page_size=args.page_size,
-                    max_running_requests=args.max_running_requests, max_total_tokens=args.max_total_tokens,
-                    mem_fraction_static=args.mem_fraction_static, eos_token_ids=tokenizer.eos_token_ids,
-                    progress=args.progress, verbose=verbose, cuda_graph=not args.disable_cuda_graph,
-                    cuda_graph_max_bs=args.cuda_graph_max_bs, load_format=args.load_format,
-                    enable_torch_compile=args.enable_torch_compile, torch_compile_max_bs=args.torch_compile_max_bs,
-                    tp=tp, control_group=control)
+    engine = Engine(
+        spec.model_path, device=spec.device_for(rank), dtype=args.dtype,
+        attention_backend=args.attention_backend, page_size=args.page_size,
+        max_running_requests=args.max_running_requests, max_total_tokens=args.max_total_tokens,
+        mem_fraction_static=args.mem_fraction_static, eos_token_ids=tokenizer.eos_token_ids,
+        progress=args.progress, verbose=verbose, cuda_graph=not args.disable_cuda_graph,
+        cuda_graph_max_bs=args.cuda_graph_max_bs, load_format=args.load_format,
+        enable_torch_compile=args.enable_torch_compile,
+        torch_compile_max_bs=args.torch_compile_max_bs, tp=tp, control_group=control)
     if tokenizer.config.max_length is None:  # leave room for at least one generated token
         tokenizer.config.max_length = engine.max_context_len - 1
     # Ranks 1+ hand no text to anyone: they detokenize only what stop strings need.
-    scheduler = Scheduler(engine, tokenizer, max_prefill_tokens=args.max_prefill_tokens,
-                          chunked_prefill_size=args.chunked_prefill_size,
-                          schedule_conservativeness=args.schedule_conservativeness, log_interval=args.log_interval,
-                          record_stats=args.record_stats,
-                          overlap=None if args.disable_overlap is None else not args.disable_overlap,
-                          disable_radix_cache=args.disable_radix_cache, schedule_policy=args.schedule_policy,
-                          stream_text=rank == 0)
+    scheduler = Scheduler(
+        engine, tokenizer, max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        schedule_conservativeness=args.schedule_conservativeness, log_interval=args.log_interval,
+        record_stats=args.record_stats, overlap=None if args.disable_overlap is None else
+        not args.disable_overlap, disable_radix_cache=args.disable_radix_cache,
+        schedule_policy=args.schedule_policy, stream_text=rank == 0)
     if args.enable_tp_sync_check and tp.size > 1:
         scheduler.tp_sync_check = functools.partial(check_in_sync, control_group=control)
-    if tp.size > 1:  # the ranks admit a request with a grammar at the same step (scheduler/grammar.py)
+    # the ranks admit a request with a grammar at the same step (scheduler/grammar.py)
+    if tp.size > 1:
         scheduler.grammars.sync = functools.partial(max_over_ranks, control_group=control)
     return tokenizer, engine, scheduler
 
 
 def start_ranks(spec: RankSpec, dist_init_addr: str) -> tuple[TPInfo, object, LocalRanks]:
-    """On node 0: spawn ranks 1 .. ranks_per_node-1 of this node, join the process groups as rank 0."""
+    """On node 0: spawn ranks 1 .. ranks_per_node-1 of this node, join the process groups as rank
+    0."""
     ranks = LocalRanks(run_follower, list(range(1, spec.ranks_per_node)), (spec, dist_init_addr))
     try:
-        tp, control = init_process_groups(0, spec.tp_size, dist_init_addr, torch.device(spec.device_for(0)),
+        tp, control = init_process_groups(0, spec.tp_size, dist_init_addr,
+                                          torch.device(spec.device_for(0)),
                                           check_ranks=ranks.check_started)
     except Exception as exc:
         failures = ranks.failures()
@@ -154,9 +166,11 @@ def start_ranks(spec: RankSpec, dist_init_addr: str) -> tuple[TPInfo, object, Lo
 
 
 def serve_node(spec: RankSpec, node_rank: int, dist_init_addr: str) -> None:
-    """On node N > 0 (`python -m stage8_server --node-rank N`): run this node's ranks until rank 0 shuts them down."""
+    """On node N > 0 (`python -m stage8_server --node-rank N`): run this node's ranks until rank 0
+    shuts them down."""
     first = node_rank * spec.ranks_per_node
-    ranks = LocalRanks(run_follower, list(range(first, first + spec.ranks_per_node)), (spec, dist_init_addr))
+    ranks = LocalRanks(run_follower, list(range(first, first + spec.ranks_per_node)),
+                       (spec, dist_init_addr))
     ranks.join()  # until rank 0 tells them to stop, or one fails
     failures = ranks.failures(wait=0)
     ranks.stop()
@@ -166,8 +180,10 @@ def serve_node(spec: RankSpec, node_rank: int, dist_init_addr: str) -> None:
 
 def run_follower(rank: int, spec: RankSpec, dist_init_addr: str) -> None:
     """A rank other than 0: build its shard, then follow rank 0's commands until told to stop."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.ranks_per_node))  # the node's cores, shared
-    tp, control = init_process_groups(rank, spec.tp_size, dist_init_addr, torch.device(spec.device_for(rank)))
+    # the node's cores, shared
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.ranks_per_node))
+    tp, control = init_process_groups(rank, spec.tp_size, dist_init_addr,
+                                      torch.device(spec.device_for(rank)))
     _, engine, scheduler = build_rank(spec, rank, tp, control, verbose=False)
     try:
         while True:
@@ -188,10 +204,13 @@ def rank_report(engine: Engine) -> dict:
     """This rank's memory: weights (and the part replicated on every rank) and its KV pool."""
     report = engine.memory_report()
     pool = engine.kv_pool
-    return {"rank": engine.tp.rank, "weight_bytes": report.param_bytes, "replicated_bytes": report.replicated_bytes,
-            "checkpoint_bytes_read": engine.load_stats.bytes_read,
-            "kv_heads": engine.num_kv_heads, "kv_bytes_per_token": report.kv_bytes_per_token,
-            "kv_pool_bytes": pool.k.numel() * pool.k.element_size() * 2, "kv_tokens": pool.num_pages * pool.page_size}
+    return {
+        "rank": engine.tp.rank, "weight_bytes": report.param_bytes,
+        "replicated_bytes": report.replicated_bytes,
+        "checkpoint_bytes_read": engine.load_stats.bytes_read, "kv_heads": engine.num_kv_heads,
+        "kv_bytes_per_token": report.kv_bytes_per_token, "kv_pool_bytes": pool.k.numel() *
+        pool.k.element_size() * 2, "kv_tokens": pool.num_pages * pool.page_size
+    }
 
 
 def shutdown_ranks(scheduler: Scheduler, control, ranks: LocalRanks | None) -> None:
@@ -199,11 +218,13 @@ def shutdown_ranks(scheduler: Scheduler, control, ranks: LocalRanks | None) -> N
     if control is not None:
         try:
             broadcast_object(Command(shutdown=True), control)
-        except Exception:  # noqa: BLE001 — a rank that died cannot be told to stop; it is stopped below
+        # noqa: BLE001 — a rank that died cannot be told to stop; it is stopped below
+        except Exception:
             pass
     try:
         scheduler.shutdown()
-    except Exception:  # noqa: BLE001 — the step in flight failed with its rank (already reported): nothing to read
+    # noqa: BLE001 — the step in flight failed with its rank (already reported): nothing to read
+    except Exception:
         if control is None:
             raise
     finally:

@@ -1,4 +1,5 @@
-"""Stage 9 — mixture of experts (Qwen3-MoE, Mixtral): a router, stacked experts, a fused MoE kernel."""
+"""Stage 9 — mixture of experts (Qwen3-MoE, Mixtral): a router, stacked experts, a fused MoE
+kernel."""
 
 from .core import Batch, Req, ReqStatus, SamplingParams
 from .distributed import TPError

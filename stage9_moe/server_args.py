@@ -1,13 +1,16 @@
-"""Every option of the engine in one dataclass, under SGLang's names (python/sglang/srt/server_args.py).
+"""Every option of the engine in one dataclass, under SGLang's names
+(python/sglang/srt/server_args.py).
 
-Each field holds an option's default, its help text (the field's metadata) and, in check(), what it may be. The
-Python API and the command line are two doors to the same object:
+Each field holds an option's default, its help text (the field's metadata) and, in check(), what it
+may be. The Python API and the command line are two doors to the same object:
 
     LLM(model, page_size=4)   ->  ServerArgs(model_path=model, page_size=4)
-    --page-size 4             ->  ServerArgs.add_cli_args(parser), then ServerArgs.from_cli_args(args)
+    --page-size 4             ->  ServerArgs.add_cli_args(parser), then
+                                  ServerArgs.from_cli_args(args)
 
-The flag of a field is its name in kebab case (max_running_requests -> --max-running-requests). Every value is
-checked when the ServerArgs is built, before any weight is loaded, and an error names the option.
+The flag of a field is its name in kebab case (max_running_requests -> --max-running-requests).
+Every value is checked when the ServerArgs is built, before any weight is loaded, and an error names
+the option.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvico
 
 
 def option(default, help: str, **cli):
-    """A field with its help text. cli: choices=(...) (values allowed), flags=(...) (its flag names), const=v
-    (the flag sets v: a switch whose unset default is None)."""
+    """A field with its help text. cli: choices=(...) (values allowed), flags=(...) (its flag
+    names), const=v (the flag sets v: a switch whose unset default is None)."""
     return field(default=default, metadata={"help": help, **cli})
 
 
@@ -43,67 +46,88 @@ class ServerArgs:
     model_path: str = option("smollm2-135m-instruct", "short name or local HF folder",
                              flags=("--model", "--model-path"))
     device: str = option("cpu", "cpu, cuda or cuda:N")
-    dtype: str | torch.dtype = option("float32", "weights and KV cache dtype, converted at load; auto = the "
-                                      "checkpoint's own", choices=DTYPES)
-    attention_backend: str | None = option(None, "default: triton on CUDA, torch on CPU", choices=BACKENDS)
+    dtype: str | torch.dtype = option(
+        "float32", "weights and KV cache dtype, converted at load; auto = the "
+        "checkpoint's own", choices=DTYPES)
+    attention_backend: str | None = option(None, "default: triton on CUDA, torch on CPU",
+                                           choices=BACKENDS)
 
     # Memory: the KV pool (engine.plan_kv_pool)
-    max_total_tokens: int | None = option(None, "KV pool size in tokens (default: sized from memory)")
+    max_total_tokens: int | None = option(None,
+                                          "KV pool size in tokens (default: sized from memory)")
     mem_fraction_static: float | None = option(
-        None, "memory share for weights + KV cache (default: 0.88 of a GPU; CPU: 0.25 of the available RAM for "
-        "the KV cache, at most 1 GiB)")
+        None,
+        "memory share for weights + KV cache (default: 0.88 of a GPU; CPU: 0.25 of the available "
+        "RAM for "
+        "the KV cache, at most 1 GiB)",
+    )
     page_size: int = option(16, "tokens per KV-cache page")
 
     # Scheduling (scheduler/)
-    max_running_requests: int = option(128, "requests in the running batch at most (rows of the page table)")
-    max_prefill_tokens: int = option(16384, "prefill batch limit when chunking is off (a longer first prompt "
-                                     "still runs whole)")
-    chunked_prefill_size: int = option(512, "prefill tokens per batch; the prompt crossing it is cut into chunks "
-                                       "(-1: no chunking)")
-    schedule_conservativeness: float = option(1.0, "scales the admission estimate new_token_ratio (higher: admit "
-                                              "fewer, preempt less)")
+    max_running_requests: int = option(
+        128, "requests in the running batch at most (rows of the page table)")
+    max_prefill_tokens: int = option(
+        16384, "prefill batch limit when chunking is off (a longer first prompt "
+        "still runs whole)")
+    chunked_prefill_size: int = option(
+        512, "prefill tokens per batch; the prompt crossing it is cut into chunks "
+        "(-1: no chunking)")
+    schedule_conservativeness: float = option(
+        1.0, "scales the admission estimate new_token_ratio (higher: admit "
+        "fewer, preempt less)")
 
-    # Stage 5: CUDA graphs (graph.py), their CPU stand-in, and the overlap loop (scheduler/overlap.py)
+    # Stage 5: CUDA graphs (graph.py), their CPU stand-in, and the overlap loop
+    # (scheduler/overlap.py)
     disable_cuda_graph: bool = option(False, "decode eagerly on CUDA too")
     cuda_graph_max_bs: int = option(64, "largest batch captured in a graph")
-    enable_torch_compile: bool = option(False, "CPU: decode batches of up to --torch-compile-max-bs run "
-                                        "torch.compile'd code, one graph per bucket (compiling takes a while at "
-                                        "start-up)")
+    enable_torch_compile: bool = option(
+        False, "CPU: decode batches of up to --torch-compile-max-bs run "
+        "torch.compile'd code, one graph per bucket (compiling takes a while at "
+        "start-up)")
     torch_compile_max_bs: int = option(8, "largest batch compiled")
     # None: overlap on CUDA, not on a CPU (README, Figures); --enable-overlap sets False.
-    disable_overlap: bool | None = option(None, "process each step's results before launching the next (stage 4's "
-                                          "loop; the CPU default)", const=True)
+    disable_overlap: bool | None = option(
+        None, "process each step's results before launching the next (stage 4's "
+        "loop; the CPU default)", const=True)
 
     # Stage 6: the prefix cache (radix_cache.py) and the waiting queue's order
     disable_radix_cache: bool = option(False, "no prefix cache (stage 5's engine)")
-    schedule_policy: str = option("lpm", "waiting-queue order within a priority: longest cached prefix first, or "
-                                  "arrival order", choices=SCHEDULE_POLICIES)
+    schedule_policy: str = option(
+        "lpm", "waiting-queue order within a priority: longest cached prefix first, or "
+        "arrival order", choices=SCHEDULE_POLICIES)
 
     # Stage 7: tensor parallelism (distributed.py, tp_worker.py)
     tp_size: int = option(1, "tensor parallelism: ranks the model is split over")
     nnodes: int = option(1, "machines the tp ranks are spread over")
-    node_rank: int = option(0, "this machine's index; node 0 runs the requests, the others serve their ranks")
+    node_rank: int = option(
+        0, "this machine's index; node 0 runs the requests, the others serve their ranks")
     dist_init_addr: str | None = option(None, "host:port where rank 0 listens (multi-node)")
-    enable_tp_sync_check: bool = option(False, "compare every step's batch and sampled tokens across the tp ranks; "
-                                        "raise where they differ (a debugging guard: one gather per step)")
-    load_format: str = option("auto", "dummy: random weights of the checkpoint's shapes (no weights read)",
+    enable_tp_sync_check: bool = option(
+        False, "compare every step's batch and sampled tokens across the tp ranks; "
+        "raise where they differ (a debugging guard: one gather per step)")
+    load_format: str = option("auto",
+                              "dummy: random weights of the checkpoint's shapes (no weights read)",
                               choices=LOAD_FORMATS)
 
     # Stage 8: the HTTP server (server/)
     host: str = option("127.0.0.1", "server: address to listen on")
     port: int = option(30000, "server: port (0: any free port)")
-    served_model_name: str | None = option(None, "server: the model name clients send and /v1/models lists "
-                                           "(default: --model)")
+    served_model_name: str | None = option(
+        None, "server: the model name clients send and /v1/models lists "
+        "(default: --model)")
     log_level: str = option("warning", "server: uvicorn's log level", choices=LOG_LEVELS)
 
     # Stage 9: mixture-of-experts layers (moe.py)
-    moe_runner_backend: str = option("auto", "MoE layers: fused Triton kernels (triton), the per-expert reference "
-                                     "loop (torch); auto = triton on CUDA, torch on CPU", choices=MOE_RUNNER_BACKENDS)
+    moe_runner_backend: str = option(
+        "auto", "MoE layers: fused Triton kernels (triton), the per-expert reference "
+        "loop (torch); auto = triton on CUDA, torch on CPU", choices=MOE_RUNNER_BACKENDS)
 
     # Logging and statistics
     log_interval: int = option(0, "log throughput every N decode steps (0: never)")
-    record_stats: bool = option(False, "keep every step's timings in llm.scheduler.timings (notebooks, benchmarks)")
-    progress: bool | None = option(None, "loading progress bar (default: when stderr is a terminal)")
+    record_stats: bool = option(
+        False, "keep every step's timings in llm.scheduler.timings (notebooks, benchmarks)")
+    progress: bool | None = option(None,
+                                   "loading progress bar (default: when stderr is a terminal)")
 
     def __post_init__(self) -> None:
         if isinstance(self.model_path, os.PathLike):
@@ -122,41 +146,52 @@ class ServerArgs:
         at_least(self, "page_size", 1)
         at_least(self, "max_running_requests", 1)
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
-            raise ValueError(f"max_total_tokens={self.max_total_tokens} holds no page of {self.page_size} tokens")
+            raise ValueError(
+                f"max_total_tokens={self.max_total_tokens} holds no page of {self.page_size} tokens"
+            )
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
-            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+            raise ValueError(
+                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         at_least(self, "max_prefill_tokens", 1)
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError(f"chunked_prefill_size must be >= 1, or -1 to disable chunking, got "
                              f"{self.chunked_prefill_size}")
         at_least(self, "schedule_conservativeness", 0)
         at_least(self, "log_interval", 0)
-        at_least(self, "cuda_graph_max_bs", 1)  # on every device: a setting that would fail on a GPU fails here too
+        # on every device: a setting that would fail on a GPU fails here too
+        at_least(self, "cuda_graph_max_bs", 1)
         at_least(self, "torch_compile_max_bs", 1)
         if self.tp_size < 1 or self.nnodes < 1 or self.tp_size % self.nnodes:
-            raise ValueError(f"tp_size ({self.tp_size}) must be a positive multiple of nnodes ({self.nnodes})")
+            raise ValueError(
+                f"tp_size ({self.tp_size}) must be a positive multiple of nnodes ({self.nnodes})")
         if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"node_rank must be in [0, {self.nnodes}) for nnodes={self.nnodes}, got {self.node_rank}")
+            raise ValueError(
+                f"node_rank must be in [0, {self.nnodes}) for nnodes={self.nnodes}, got "
+                f"{self.node_rank}"
+            )
         if self.dist_init_addr is not None:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
         elif self.nnodes > 1:
-            raise ValueError("nnodes > 1 needs dist_init_addr (host:port of rank 0, reachable from every node)")
+            raise ValueError(
+                "nnodes > 1 needs dist_init_addr (host:port of rank 0, reachable from every node)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
 
     # ---------------------------------------------------------------- the two doors
     @classmethod
     def from_kwargs(cls, caller: str = "LLM()", **kwargs) -> "ServerArgs":
-        """ServerArgs(**kwargs), where an unknown option is a TypeError naming it (and the closest real one)."""
+        """ServerArgs(**kwargs), where an unknown option is a TypeError naming it (and the closest
+        real one)."""
         names = [f.name for f in dataclasses.fields(cls)]
         for name in kwargs:
             if name not in names:
                 close = difflib.get_close_matches(name, names, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise TypeError(f"{caller} got an unexpected keyword argument {name!r}{hint} (its options are "
-                                "the fields of ServerArgs, server_args.py)")
+                raise TypeError(
+                    f"{caller} got an unexpected keyword argument {name!r}{hint} (its options are "
+                    "the fields of ServerArgs, server_args.py)")
         return cls(**kwargs)
 
     @staticmethod
@@ -167,14 +202,19 @@ class ServerArgs:
             kind = cli_type(hints[f.name])
             flags = f.metadata.get("flags", (f"--{f.name.replace('_', '-')}",))
             kwargs = dict(dest=f.name, default=f.default, help=f.metadata["help"])
-            if "const" in f.metadata:  # a switch to a value other than True / False (disable_overlap)
+            # a switch to a value other than True / False (disable_overlap)
+            if "const" in f.metadata:
                 kwargs.update(action="store_const", const=f.metadata["const"])
-            elif kind is bool:  # False: a switch (--disable-x); None: --x / --no-x, unset = decided at run time
-                kwargs["action"] = argparse.BooleanOptionalAction if f.default is None else "store_true"
+            # False: a switch (--disable-x); None: --x / --no-x, unset = decided at run time
+            elif kind is bool:
+                kwargs["action"] = (
+                    argparse.BooleanOptionalAction if f.default is None else "store_true"
+                )
             else:
                 kwargs.update(type=kind, choices=f.metadata.get("choices"))
             parser.add_argument(*flags, **kwargs)
-        parser.add_argument("--enable-overlap", action="store_const", const=False, dest="disable_overlap",
+        parser.add_argument("--enable-overlap", action="store_const", const=False,
+                            dest="disable_overlap",
                             help="overlap scheduling on a CPU too (on CUDA it is the default)")
 
     @classmethod
@@ -183,7 +223,8 @@ class ServerArgs:
 
 
 def check_type(name: str, value, hint) -> None:
-    """TypeError unless value is one of the hint's types (an int passes for a float; a bool is not an int)."""
+    """TypeError unless value is one of the hint's types (an int passes for a float; a bool is not
+    an int)."""
     allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     for t in allowed:
         if t is type(None):
@@ -199,7 +240,8 @@ def check_type(name: str, value, hint) -> None:
 
 
 def cli_type(hint) -> type:
-    """The type a flag parses to: the hint's first of int, float, bool, str (None and torch.dtype dropped)."""
+    """The type a flag parses to: the hint's first of int, float, bool, str (None and torch.dtype
+    dropped)."""
     allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     return next(t for t in allowed if t in (int, float, bool, str))
 

@@ -1,43 +1,51 @@
-"""Our own attention kernels, written in Triton: a varlen causal prefill kernel and a split ("flash-decoding")
-decode kernel.
+"""Our own attention kernels, written in Triton: a varlen causal prefill kernel and a split
+("flash-decoding") decode kernel.
 
-Both kernels compute softmax(q k^T * scale) v without ever holding a whole row of scores. They walk the keys block by
-block and keep, per query row, three running values (the "online softmax" of FlashAttention):
+Both kernels compute softmax(q k^T * scale) v without ever holding a whole row of scores. They walk
+the keys block by block and keep, per query row, three running values (the "online softmax" of
+FlashAttention):
 
     m   the largest score seen so far                       (so exp() never overflows)
     l   the sum of exp(score - m) over the keys seen so far  (the softmax denominator)
     acc the sum of exp(score - m) * v over the keys seen     (the numerator, a [D] vector per row)
 
-When a new block raises the maximum from m to m_new, everything summed so far was scaled by exp(-m) instead of
-exp(-m_new), so it is rescaled by alpha = exp(m - m_new) before the new block is added. After the last block the
-answer is acc / l. Exact (not an approximation), one pass over K/V, O(block) memory instead of O(seq_len).
+When a new block raises the maximum from m to m_new, everything summed so far was scaled by exp(-m)
+instead of exp(-m_new), so it is rescaled by alpha = exp(m - m_new) before the new block is added.
+After the last block the answer is acc / l. Exact (not an approximation), one pass over K/V,
+O(block) memory instead of O(seq_len).
 
-Decode has one query row per request and head, and is bound by memory, not arithmetic: every step reads each
-request's whole K/V cache (seq_len x KVH x D x 2 values per layer) to do about 2 multiply-adds per value read per
-query head. So the decode grid is shaped around bytes and around keeping every SM busy (SGLang's
-`decode_attention.py` "grouped" kernel and FlashDecoding do the same):
+Decode has one query row per request and head, and is bound by memory, not arithmetic: every step
+reads each request's whole K/V cache (seq_len x KVH x D x 2 values per layer) to do about 2
+multiply-adds per value read per query head. So the decode grid is shaped around bytes and around
+keeping every SM busy (SGLang's `decode_attention.py` "grouped" kernel and FlashDecoding do the
+same):
 
-1. The query heads of a group are loaded together. Under GQA, GROUP = H // KVH query heads share one K/V head. One
-   program per query head would read each K/V block GROUP times (the L2 cache catches some of it, not all); one
-   program per KV head loads it once and multiplies it with the GROUP query rows at once: q [GROUP, D] (padded to
-   16 rows, tl.dot's minimum) x k^T [D, BLOCK_N] is one matrix product on tensor cores. GROUP x fewer bytes for the
-   same answer; the padded rows cost arithmetic, which decode has to spare.
-2. The keys are split. At batch 1 with 8 KV heads that is 8 programs, on a GPU with over 100 SMs, each walking a
-   32k-token context alone. So each request's keys are cut into NUM_KV_SPLITS pieces, one program each: grid
-   (B, KVH, NUM_KV_SPLITS), _decode_partial_kernel. Each piece ends with its own online-softmax state and stores
-   o = acc / l and lse = m + log2(l) (scratch [B, H, NUM_KV_SPLITS, D] and [B, H, NUM_KV_SPLITS], fp32). A second,
-   small kernel (grid (B, H), _decode_combine_kernel) merges the pieces with the online softmax's own rescaling:
-   out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s. Still exact. The price: writing and
-   reading the partials, small next to the cache. NUM_KV_SPLITS is fixed per backend, never derived from seq_lens,
-   so the launch does not depend on device data (stage 5 records decode into CUDA graphs).
+1. The query heads of a group are loaded together. Under GQA, GROUP = H // KVH query heads share one
+   K/V head. One program per query head would read each K/V block GROUP times (the L2 cache catches
+   some of it, not all); one program per KV head loads it once and multiplies it with the GROUP
+   query rows at once: q [GROUP, D] (padded to 16 rows, tl.dot's minimum) x k^T [D, BLOCK_N] is one
+   matrix product on tensor cores. GROUP x fewer bytes for the same answer; the padded rows cost
+   arithmetic, which decode has to spare.
+2. The keys are split. At batch 1 with 8 KV heads that is 8 programs, on a GPU with over 100 SMs,
+   each walking a 32k-token context alone. So each request's keys are cut into NUM_KV_SPLITS pieces,
+   one program each: grid (B, KVH, NUM_KV_SPLITS), _decode_partial_kernel. Each piece ends with its
+   own online-softmax state and stores o = acc / l and lse = m + log2(l) (scratch [B, H,
+   NUM_KV_SPLITS, D] and [B, H, NUM_KV_SPLITS], fp32). A second, small kernel (grid (B, H),
+   _decode_combine_kernel) merges the pieces with the online softmax's own rescaling: out = sum_s
+   2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s. Still exact. The price: writing and
+   reading the partials, small next to the cache. NUM_KV_SPLITS is fixed per backend, never derived
+   from seq_lens, so the launch does not depend on device data (stage 5 records decode into CUDA
+   graphs).
 
-Running on a CPU: Triton compiles for GPUs only, but it ships an *interpreter* that runs the same kernel code with
-NumPy, selected by the env var TRITON_INTERPRET=1, read when `@triton.jit` decorates a function: for our kernels
-when this module is imported, for triton's own helpers (tl.sum, tl.max) when triton is first imported. Policy: if
-torch sees no CUDA GPU, this module does `os.environ.setdefault("TRITON_INTERPRET", "1")` before importing triton,
-so `--attention-backend triton` works on a CPU (slowly: for learning and testing). An explicit TRITON_INTERPRET=0 is
-respected; the backend then refuses CPU tensors with a clear error. Under the interpreter the kernels also compute in
-fp32 throughout (see _launch_flags and _empty_out), since NumPy has no bfloat16.
+Running on a CPU: Triton compiles for GPUs only, but it ships an *interpreter* that runs the same
+kernel code with NumPy, selected by the env var TRITON_INTERPRET=1, read when `@triton.jit`
+decorates a function: for our kernels when this module is imported, for triton's own helpers
+(tl.sum, tl.max) when triton is first imported. Policy: if torch sees no CUDA GPU, this module does
+`os.environ.setdefault("TRITON_INTERPRET", "1")` before importing triton, so `--attention-backend
+triton` works on a CPU (slowly: for learning and testing). An explicit TRITON_INTERPRET=0 is
+respected; the backend then refuses CPU tensors with a clear error. Under the interpreter the
+kernels also compute in fp32 throughout (see _launch_flags and _empty_out), since NumPy has no
+bfloat16.
 """
 
 from __future__ import annotations
@@ -47,19 +55,22 @@ import os
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must happen before the @triton.jit lines below run
+    # must happen before the @triton.jit lines below run
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from .base import AttentionBackend  # noqa: E402
 
-# What triton itself decided for the kernels of this module (same truthy spellings as triton's env parser).
+# What triton itself decided for the kernels of this module (same truthy spellings as triton's env
+# parser).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
-# Trap: triton.language's own helpers (tl.sum, tl.max) are @triton.jit functions too, decorated when triton was FIRST
-# imported. If something imported triton before TRITON_INTERPRET=1 was set (torch.compile does, for one), they stay
-# compiled-mode functions that the interpreter cannot call, and our kernels fail. Detect it to fail with a clear
-# message. The cure: set TRITON_INTERPRET=1 before anything imports triton (in the shell, or first thing in main).
+# Trap: triton.language's own helpers (tl.sum, tl.max) are @triton.jit functions too, decorated when
+# triton was FIRST imported. If something imported triton before TRITON_INTERPRET=1 was set
+# (torch.compile does, for one), they stay compiled-mode functions that the interpreter cannot call,
+# and our kernels fail. Detect it to fail with a clear message. The cure: set TRITON_INTERPRET=1
+# before anything imports triton (in the shell, or first thing in main).
 INTERPRETER_BROKEN = INTERPRET and isinstance(tl.sum, triton.runtime.JITFunction)
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)); exp2 is the cheaper instruction on GPUs
@@ -72,11 +83,14 @@ def _prefill_kernel(
     qk_scale,  # softmax scale * log2(e): scores come out in base 2, ready for exp2
     stride_qn, stride_qh, stride_qd, stride_kn, stride_kh, stride_kd,
     stride_vn, stride_vh, stride_vd, stride_on, stride_oh, stride_od,
-    GROUP: tl.constexpr,  # H // KVH query heads share one K/V head (GQA); 1 = plain multi-head attention
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # BLOCK_D = next power of two >= HEAD_DIM (tl.arange needs it)
+    # H // KVH query heads share one K/V head (GQA); 1 = plain multi-head attention
+    GROUP: tl.constexpr,
+    # BLOCK_D = next power of two >= HEAD_DIM (tl.arange needs it)
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # query rows / key rows handled per step
     UPCAST: tl.constexpr,  # cast tiles to fp32 before tl.dot (interpreter only, see _launch_flags)
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (exact), "tf32" otherwise (ignored for bf16/fp16)
+    # "ieee" for fp32 inputs (exact), "tf32" otherwise (ignored for bf16/fp16)
+    DOT_PRECISION: tl.constexpr,
 ):
     # One program = one block of BLOCK_M queries x one query head x one request.
     pid_m = tl.program_id(0)
@@ -86,16 +100,19 @@ def _prefill_kernel(
     seq_len = tl.load(cu_seqlens + req + 1) - start
     m_start = pid_m * BLOCK_M
     if m_start >= seq_len:
-        return  # the grid is sized for the longest prompt; shorter ones have nothing for this program to do
+        # the grid is sized for the longest prompt; shorter ones have nothing for this program to do
+        return
     kv_head = head // GROUP  # GQA: read the shared K/V head in place, no repeat_interleave copy
 
     offs_m = m_start + tl.arange(0, BLOCK_M)  # [BLOCK_M] query positions within the request
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     mask_m = offs_m < seq_len  # the last query block may run past the prompt (odd lengths)
-    mask_d = offs_d < HEAD_DIM  # head_dim 80 or 96 pads to 128: the extra columns load as 0 and add 0 to q.k
+    # head_dim 80 or 96 pads to 128: the extra columns load as 0 and add 0 to q.k
+    mask_d = offs_d < HEAD_DIM
 
-    q_ptrs = Q + (start + offs_m)[:, None] * stride_qn + head * stride_qh + offs_d[None, :] * stride_qd
+    q_ptrs = (Q + (start + offs_m)[:, None] * stride_qn + head * stride_qh
+              + offs_d[None, :] * stride_qd)
     q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
@@ -104,66 +121,102 @@ def _prefill_kernel(
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)  # running denominator
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)  # running numerator, always fp32
 
-    # Causal: the last query of this block is m_start + BLOCK_M - 1, so keys from m_start + BLOCK_M on are masked
-    # for every row of the block: stop there instead of loading them (that skips ~half the work of a prompt).
+    # Causal: the last query of this block is m_start + BLOCK_M - 1, so keys from m_start + BLOCK_M
+    # on are masked for every row of the block: stop there instead of loading them (that skips ~half
+    # the work of a prompt).
     k_end = tl.minimum(seq_len, m_start + BLOCK_M)
     for n_start in range(0, k_end, BLOCK_N):
         offs_k = n_start + offs_n  # [BLOCK_N] key positions within the request
         mask_k = offs_k < seq_len
-        k_ptrs = K + (start + offs_k)[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :] * stride_kd
-        v_ptrs = V + (start + offs_k)[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :] * stride_vd
+        k_ptrs = K + (
+            start + offs_k)[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :] * stride_kd
+        v_ptrs = V + (
+            start + offs_k)[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :] * stride_vd
         k = tl.load(k_ptrs, mask=mask_k[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptrs, mask=mask_k[:, None] & mask_d[None, :], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+        # [BLOCK_M, BLOCK_N] fp32
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         # Key j is visible to query i when j <= i (causal) and j is a real key of this request.
         visible = (offs_m[:, None] >= offs_k[None, :]) & mask_k[None, :]
         s = tl.where(visible, s, float("-inf"))
 
-        # Online softmax update. Key 0 is visible to every row (even the padded rows past seq_len, whose output is
-        # never stored), and the first block contains it, so m_new is finite from the first step on: no inf - inf.
+        # Online softmax update. Key 0 is visible to every row (even the padded rows past seq_len,
+        # whose output is never stored), and the first block contains it, so m_new is finite from
+        # the first step on: no inf - inf.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [BLOCK_M]
-        alpha = tl.exp2(m_i - m_new)  # how much the old sums shrink under the new max (0 on the first block)
-        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N] unnormalized probabilities, 0 where masked
+        # how much the old sums shrink under the new max (0 on the first block)
+        alpha = tl.exp2(m_i - m_new)
+        # [BLOCK_M, BLOCK_N] unnormalized probabilities, 0 where masked
+        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     out = acc / l_i[:, None]
-    o_ptrs = O + (start + offs_m)[:, None] * stride_on + head * stride_oh + offs_d[None, :] * stride_od
+    o_ptrs = (O + (start + offs_m)[:, None] * stride_on + head * stride_oh
+              + offs_d[None, :] * stride_od)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
 @triton.jit
 def _decode_partial_kernel(
-    Q, K_cache, V_cache,  # q: [B, H, D]; caches: [num_slots, max_len, KVH, D] (any strides)
-    Part_O, Part_LSE,  # scratch, fp32: [B, H, NUM_KV_SPLITS, D] each split's own answer, [B, H, NUM_KV_SPLITS] its lse
-    slot_ids, seq_lens,  # [B] int32: request b reads cache row slot_ids[b], positions 0 .. seq_lens[b]-1
+    Q,
+    K_cache,
+    V_cache,  # q: [B, H, D]; caches: [num_slots, max_len, KVH, D] (any strides)
+    # scratch, fp32: [B, H, NUM_KV_SPLITS, D] each split's own answer, [B, H, NUM_KV_SPLITS] its lse
+    Part_O,
+    Part_LSE,
+    # [B] int32: request b reads cache row slot_ids[b], positions 0 .. seq_lens[b]-1
+    slot_ids,
+    seq_lens,
     qk_scale,
-    stride_qb, stride_qh, stride_qd,
-    stride_ks, stride_kt, stride_kh, stride_kd,
-    stride_vs, stride_vt, stride_vh, stride_vd,
-    stride_pb, stride_ph, stride_ps, stride_pd,
-    stride_lb, stride_lh, stride_ls,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_H: tl.constexpr,  # query rows of the tile: GROUP padded up to a power of two >= 16 (tl.dot's minimum)
-    BLOCK_N: tl.constexpr, NUM_KV_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_ks,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vs,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_pd,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    # query rows of the tile: GROUP padded up to a power of two >= 16 (tl.dot's minimum)
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    # One program = one request x one KV head x one split of that request's keys, for ALL the query heads of the
-    # group: each K/V block is loaded once and used by GROUP query rows (one tl.dot) instead of by one.
+    # One program = one request x one KV head x one split of that request's keys, for ALL the query
+    # heads of the group: each K/V block is loaded once and used by GROUP query rows (one tl.dot)
+    # instead of by one.
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # int64: slot * stride_ks can pass 2**31 elements in a big cache; int32 math would wrap around silently.
+    # int64: slot * stride_ks can pass 2**31 elements in a big cache; int32 math would wrap around
+    # silently.
     slot = tl.load(slot_ids + req).to(tl.int64)
-    seq_len = tl.load(seq_lens + req)  # includes the token being decoded: its K/V is already in the cache
+    # includes the token being decoded: its K/V is already in the cache
+    seq_len = tl.load(seq_lens + req)
 
-    # This split's keys: [split_start, split_end). The split length is cdiv(seq_len, NUM_KV_SPLITS) rounded up to
-    # whole blocks, so no block straddles two splits. Short contexts leave the last splits empty (and a seq_len 0
-    # padding request all of them): their loop runs zero times.
+    # This split's keys: [split_start, split_end). The split length is cdiv(seq_len, NUM_KV_SPLITS)
+    # rounded up to whole blocks, so no block straddles two splits. Short contexts leave the last
+    # splits empty (and a seq_len 0 padding request all of them): their loop runs zero times.
     split_len = ((seq_len + NUM_KV_SPLITS - 1) // NUM_KV_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     split_start = split * split_len
     split_end = tl.minimum(split_start + split_len, seq_len)
@@ -181,34 +234,41 @@ def _decode_partial_kernel(
 
     k_base = K_cache + slot * stride_ks + kv_head * stride_kh
     v_base = V_cache + slot * stride_vs + kv_head * stride_vh
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # the online softmax of one query row per head
+    # the online softmax of one query row per head
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_H, BLOCK_D], 0.0, dtype=tl.float32)
     for n_start in range(split_start, split_end, BLOCK_N):
         offs_k = n_start + offs_n  # [BLOCK_N] key positions
-        mask_k = offs_k < split_end  # no causal mask: the one query is the newest token and sees every cached key
+        # no causal mask: the one query is the newest token and sees every cached key
+        mask_k = offs_k < split_end
         kv_mask = mask_k[:, None] & mask_d[None, :]
-        k = tl.load(k_base + offs_k[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_k[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        k = tl.load(k_base + offs_k[:, None] * stride_kt + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_k[:, None] * stride_vt + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(mask_k[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every block the loop visits holds a key of the split
+        # finite: every block the loop visits holds a key of the split
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])  # [BLOCK_H, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    # The split's own answer acc / l, and lse = m + log2(l): the log (base 2, like the scores) of its share of the
-    # softmax denominator. An empty split has l = 0, m = -inf: it stores 0 and lse -inf, i.e. weight 0 in the combine.
+    # The split's own answer acc / l, and lse = m + log2(l): the log (base 2, like the scores) of
+    # its share of the softmax denominator. An empty split has l = 0, m = -inf: it stores 0 and lse
+    # -inf, i.e. weight 0 in the combine.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     p_offs = req * stride_pb + heads * stride_ph + split * stride_ps  # [BLOCK_H]
     tl.store(Part_O + p_offs[:, None] + offs_d[None, :] * stride_pd, acc / l_safe[:, None],
              mask=mask_h[:, None] & mask_d[None, :])
-    tl.store(Part_LSE + req * stride_lb + heads * stride_lh + split * stride_ls, m_i + tl.log2(l_safe), mask=mask_h)
+    tl.store(Part_LSE + req * stride_lb + heads * stride_lh + split * stride_ls,
+             m_i + tl.log2(l_safe), mask=mask_h)
 
 
 @triton.jit
@@ -218,7 +278,8 @@ def _decode_combine_kernel(
     stride_lb, stride_lh, stride_ls,
     stride_ob, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_KV_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,  # BLOCK_S: NUM_KV_SPLITS padded to a power of two
+    # BLOCK_S: NUM_KV_SPLITS padded to a power of two
+    NUM_KV_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     # One program = one request x one query head: merge its NUM_KV_SPLITS partial answers into one.
     req = tl.program_id(0)
@@ -229,36 +290,44 @@ def _decode_combine_kernel(
     mask_d = offs_d < HEAD_DIM
     lse = tl.load(Part_LSE + req * stride_lb + head * stride_lh + offs_s * stride_ls, mask=mask_s,
                   other=float("-inf"))  # [BLOCK_S]
-    o = tl.load(Part_O + req * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :] * stride_pd,
-                mask=mask_s[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-    # Split s holds o_s = acc_s / l_s and lse_s = m_s + log2(l_s). The whole softmax is
-    # sum_s acc_s 2^m_s / sum_s l_s 2^m_s = sum_s o_s 2^lse_s / sum_s 2^lse_s: weights 2^(lse_s - max), as in the
-    # online softmax's rescaling (subtracting the max keeps exp2 from overflowing).
+    o = tl.load(Part_O + req * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps +
+                offs_d[None, :] * stride_pd, mask=mask_s[:, None] & mask_d[None, :],
+                other=0.0)  # [BLOCK_S, BLOCK_D]
+    # Split s holds o_s = acc_s / l_s and lse_s = m_s + log2(l_s). The whole softmax is sum_s acc_s
+    # 2^m_s / sum_s l_s 2^m_s = sum_s o_s 2^lse_s / sum_s 2^lse_s: weights 2^(lse_s - max), as in
+    # the online softmax's rescaling (subtracting the max keeps exp2 from overflowing).
     m = tl.max(lse, axis=0)
-    m = tl.where(m > float("-inf"), m, 0.0)  # every split empty (seq_len 0): weights 2^-inf = 0, not -inf - -inf = NaN
+    # every split empty (seq_len 0): weights 2^-inf = 0, not -inf - -inf = NaN
+    m = tl.where(m > float("-inf"), m, 0.0)
     w = tl.exp2(lse - m)  # [BLOCK_S], 0 for empty splits
     total = tl.sum(w, axis=0)
-    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)  # [BLOCK_D]; zeros for seq_len 0
-    tl.store(O + req * stride_ob + head * stride_oh + offs_d * stride_od, out.to(O.dtype.element_ty), mask=mask_d)
+    # [BLOCK_D]; zeros for seq_len 0
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(O + req * stride_ob + head * stride_oh + offs_d * stride_od,
+             out.to(O.dtype.element_ty), mask=mask_d)
 
 
 def _launch_flags(dtype: torch.dtype) -> tuple[bool, str]:
-    # UPCAST only under the interpreter: it emulates tl.dot with NumPy, which has no bfloat16, and gets bf16 tiles
-    # wrong. On a GPU a bf16 x bf16 -> fp32 tl.dot is exactly what tensor cores do best, so we keep it there.
-    # DOT_PRECISION: on GPUs tl.dot rounds fp32 inputs to tf32 (10-bit mantissa) by default, ~1e-3 relative
-    # error; "ieee" keeps fp32 runs as exact as torch's own fp32 attention (slower, but fp32 is for checking).
+    # UPCAST only under the interpreter: it emulates tl.dot with NumPy, which has no bfloat16, and
+    # gets bf16 tiles wrong. On a GPU a bf16 x bf16 -> fp32 tl.dot is exactly what tensor cores do
+    # best, so we keep it there. DOT_PRECISION: on GPUs tl.dot rounds fp32 inputs to tf32 (10-bit
+    # mantissa) by default, ~1e-3 relative error; "ieee" keeps fp32 runs as exact as torch's own
+    # fp32 attention (slower, but fp32 is for checking).
     return INTERPRET, "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _prefill_config(BLOCK_D: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Bigger tiles reuse each loaded K/V row for more queries, but the
-    fp32 accumulator [BLOCK_M, BLOCK_D] and the score tile live in registers: too big and they spill to slow local
-    memory. Picked by compiling for sm_80 without a GPU and reading ptxas's register/spill counts (no spills, except
-    112-224 bytes at head_dim 256; shared memory <= 84 KB, within consumer GPUs' ~99 KB), NOT by benchmarking:
-    retune on a GPU if prefill speed matters."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Bigger tiles reuse each loaded K/V row for more
+    queries, but the fp32 accumulator [BLOCK_M, BLOCK_D] and the score tile live in registers: too
+    big and they spill to slow local memory. Picked by compiling for sm_80 without a GPU and reading
+    ptxas's register/spill counts (no spills, except 112-224 bytes at head_dim 256; shared memory <=
+    84 KB, within consumer GPUs' ~99 KB), NOT by benchmarking: retune on a GPU if prefill speed
+    matters."""
     if INTERPRET:
-        return 64, 64, 4, 1  # the interpreter runs each program as a Python loop: fewer, bigger tiles are faster
-    if dtype == torch.float32:  # fp32 tiles are twice the bytes, and "ieee" dots run on CUDA cores, not tensor cores
+        # the interpreter runs each program as a Python loop: fewer, bigger tiles are faster
+        return 64, 64, 4, 1
+    # fp32 tiles are twice the bytes, and "ieee" dots run on CUDA cores, not tensor cores
+    if dtype == torch.float32:
         return (32, 32, 4, 2) if BLOCK_D <= 64 else (16, 32, 4, 2)
     if BLOCK_D <= 64:
         return 64, 64, 4, 2
@@ -267,37 +336,42 @@ def _prefill_config(BLOCK_D: int, dtype: torch.dtype) -> tuple[int, int, int, in
     return 64, 32, 8, 2
 
 
-# How many programs share one request's keys in decode (SGLang: --triton-attention-num-kv-splits, default 8). Fixed
-# per backend, not computed from seq_lens: the grid must not depend on device data (stage 5 records decode in a CUDA
-# graph). On a GPU 8, untuned until measured (`python -m common.bench_attention` times it against one program per
-# query head): more splits fill more SMs at small batch and long context; each split costs a partial row of
-# scratch. Under the interpreter, where every program is a Python loop, 2: fewer programs run faster, and 2 still
-# sends every engine run through the split-and-combine path.
+# How many programs share one request's keys in decode (SGLang: --triton-attention-num-kv-splits,
+# default 8). Fixed per backend, not computed from seq_lens: the grid must not depend on device data
+# (stage 5 records decode in a CUDA graph). On a GPU 8, untuned until measured (`python -m
+# common.bench_attention` times it against one program per query head): more splits fill more SMs at
+# small batch and long context; each split costs a partial row of scratch. Under the interpreter,
+# where every program is a Python loop, 2: fewer programs run faster, and 2 still sends every engine
+# run through the split-and-combine path.
 DEFAULT_NUM_KV_SPLITS = 2 if INTERPRET else 8
 
 
 def _decode_config(BLOCK_D: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the split decode kernel. Each step holds a [16, BLOCK_D] query tile, two
-    [BLOCK_N, BLOCK_D] K/V tiles and the fp32 accumulator in registers. Compiled for sm_80 and sm_90 without a GPU:
-    no spills; at head_dim 128, 32 keys per step take ~170 registers a thread where 64 hit ptxas's 255 cap (SGLang's
-    grouped decode kernel also steps 32 keys with 4 warps). Untuned until measured (`common/bench_attention.py`)."""
+    """(BLOCK_N, num_warps, num_stages) of the split decode kernel. Each step holds a [16, BLOCK_D]
+    query tile, two [BLOCK_N, BLOCK_D] K/V tiles and the fp32 accumulator in registers. Compiled for
+    sm_80 and sm_90 without a GPU: no spills; at head_dim 128, 32 keys per step take ~170 registers
+    a thread where 64 hit ptxas's 255 cap (SGLang's grouped decode kernel also steps 32 keys with 4
+    warps). Untuned until measured (`common/bench_attention.py`)."""
     if INTERPRET:
-        return 64, 4, 1  # the interpreter runs each program as a Python loop: fewer, bigger steps are faster
+        # the interpreter runs each program as a Python loop: fewer, bigger steps are faster
+        return 64, 4, 1
     return (64 if BLOCK_D <= 64 else 32), 4, 2
 
 
 def _empty_out(q: torch.Tensor) -> torch.Tensor:
-    # The interpreter converts fp32 -> bf16/fp16 by truncating (round toward zero, up to 1 ulp off) where GPUs and
-    # torch round to nearest. So under the interpreter the kernels write fp32 and torch does the final rounding.
+    # The interpreter converts fp32 -> bf16/fp16 by truncating (round toward zero, up to 1 ulp off)
+    # where GPUs and torch round to nearest. So under the interpreter the kernels write fp32 and
+    # torch does the final rounding.
     return torch.empty(q.shape, dtype=torch.float32 if INTERPRET else q.dtype, device=q.device)
 
 
 class TritonBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, block_m: int | None = None, block_n: int | None = None, decode_block_n: int | None = None,
-                 num_kv_splits: int = DEFAULT_NUM_KV_SPLITS):
-        # None = a default picked per head_dim at launch. Tests pass small blocks to exercise the multi-block paths.
+    def __init__(self, block_m: int | None = None, block_n: int | None = None,
+                 decode_block_n: int | None = None, num_kv_splits: int = DEFAULT_NUM_KV_SPLITS):
+        # None = a default picked per head_dim at launch. Tests pass small blocks to exercise the
+        # multi-block paths.
         if not isinstance(num_kv_splits, int) or num_kv_splits < 1:
             raise ValueError(f"num_kv_splits must be an integer >= 1, got {num_kv_splits!r}")
         self.block_m, self.block_n, self.decode_block_n = block_m, block_n, decode_block_n
@@ -306,11 +380,13 @@ class TritonBackend(AttentionBackend):
     @staticmethod
     def _check(*tensors: torch.Tensor) -> int:
         if tensors[0].device.type != "cuda" and not INTERPRET:
-            raise RuntimeError("triton kernels need CUDA tensors unless TRITON_INTERPRET=1 was set before "
-                               f"{__name__} was imported (got {tensors[0].device})")
+            raise RuntimeError(
+                "triton kernels need CUDA tensors unless TRITON_INTERPRET=1 was set before "
+                f"{__name__} was imported (got {tensors[0].device})")
         if INTERPRETER_BROKEN:
-            raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set, so its interpreter cannot "
-                               "run our kernels: set TRITON_INTERPRET=1 before anything imports triton")
+            raise RuntimeError(
+                "triton was imported before TRITON_INTERPRET=1 was set, so its interpreter cannot "
+                "run our kernels: set TRITON_INTERPRET=1 before anything imports triton")
         D = tensors[0].shape[-1]
         if D > 256:
             raise ValueError(f"head_dim {D} > 256 is not supported")
@@ -350,17 +426,37 @@ class TritonBackend(AttentionBackend):
         if B == 0:
             return out.to(q.dtype)
         upcast, precision = _launch_flags(q.dtype)
-        # Scratch for the splits' partial answers, fp32 whatever the model dtype (they are sums, not outputs).
+        # Scratch for the splits' partial answers, fp32 whatever the model dtype (they are sums, not
+        # outputs).
         part_o = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
-        # k_cache is one layer's view of an [L, num_slots, max_len, KVH, D] tensor: passing its strides lets the
-        # kernel read it in place (no .contiguous() copy of the whole cache every layer, every step).
+        # k_cache is one layer's view of an [L, num_slots, max_len, KVH, D] tensor: passing its
+        # strides lets the kernel read it in place (no .contiguous() copy of the whole cache every
+        # layer, every step).
         _decode_partial_kernel[(B, KVH, S)](
-            q, k_cache, v_cache, part_o, part_lse, slot_ids, seq_lens, scale * LOG2E,
-            *q.stride(), *k_cache.stride(), *v_cache.stride(), *part_o.stride(), *part_lse.stride(),
-            GROUP=GROUP, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_H=max(16, triton.next_power_of_2(GROUP)),
-            BLOCK_N=BLOCK_N, NUM_KV_SPLITS=S, UPCAST=upcast, DOT_PRECISION=precision,
-            num_warps=num_warps, num_stages=num_stages,
+            q,
+            k_cache,
+            v_cache,
+            part_o,
+            part_lse,
+            slot_ids,
+            seq_lens,
+            scale * LOG2E,
+            *q.stride(),
+            *k_cache.stride(),
+            *v_cache.stride(),
+            *part_o.stride(),
+            *part_lse.stride(),
+            GROUP=GROUP,
+            HEAD_DIM=D,
+            BLOCK_D=BLOCK_D,
+            BLOCK_H=max(16, triton.next_power_of_2(GROUP)),
+            BLOCK_N=BLOCK_N,
+            NUM_KV_SPLITS=S,
+            UPCAST=upcast,
+            DOT_PRECISION=precision,
+            num_warps=num_warps,
+            num_stages=num_stages,
         )
         _decode_combine_kernel[(B, H)](
             part_o, part_lse, out, *part_o.stride(), *part_lse.stride(), *out.stride(),

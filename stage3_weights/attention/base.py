@@ -1,10 +1,11 @@
-"""The attention backend interface: two operations, named after the flash-attention functions they mirror.
+"""The attention backend interface: two operations, named after the flash-attention functions they
+mirror.
 
 - prefill (`flash_attn_varlen_func`-style): the prompts of a batch are packed one after another into
-  [num_tokens, heads, head_dim]; `cu_seqlens` ([B+1], int32) marks where each request starts. Causal attention
-  within each request, never across requests.
-- decode (`flash_attn_with_kvcache`-style): one new query per request, [B, heads, head_dim], against that request's
-  cache row `k_cache[slot_ids[b], :seq_lens[b]]`.
+  [num_tokens, heads, head_dim]; `cu_seqlens` ([B+1], int32) marks where each request starts. Causal
+  attention within each request, never across requests.
+- decode (`flash_attn_with_kvcache`-style): one new query per request, [B, heads, head_dim], against
+  that request's cache row `k_cache[slot_ids[b], :seq_lens[b]]`.
 
 Storing the new K/V into the cache is the same for every backend, so it lives here, in `forward`.
 """
@@ -23,10 +24,12 @@ class ForwardBatch:
     phase: str  # "prefill" or "decode"
     input_ids: torch.Tensor  # [N] packed tokens of all requests
     positions: torch.Tensor  # [N] each token's position in its own request
-    token_slot_ids: torch.Tensor  # [N] the KV cache row (request slot) each token's K/V is written to
+    # [N] the KV cache row (request slot) each token's K/V is written to
+    token_slot_ids: torch.Tensor
     slot_ids: torch.Tensor  # [B] int32 the cache row of each request
     seq_lens: torch.Tensor  # [B] int32 tokens of each request in the cache after this pass
-    cu_seqlens: torch.Tensor  # [B+1] int32 prefix sums of new tokens per request: request b is [cu[b], cu[b+1])
+    # [B+1] int32 prefix sums of new tokens per request: request b is [cu[b], cu[b+1])
+    cu_seqlens: torch.Tensor
     max_seqlen: int  # longest new-token run (prefill) — kernels size their grids with it
     last_token_indices: torch.Tensor  # [B] where each request's last token sits in the packed N
     kv_cache: "BatchKVCache"  # noqa: F821 (kv_cache.py)

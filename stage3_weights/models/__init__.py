@@ -25,14 +25,17 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,  # Mistral 7B
 }
 
-__all__ = ["MODEL_REGISTRY", "ModelConfig", "RopeScaling", "UnsupportedModelError", "get_model_class",
-           "build_model"]
+__all__ = [
+    "MODEL_REGISTRY", "ModelConfig", "RopeScaling", "UnsupportedModelError", "get_model_class",
+    "build_model"
+]
 
 
 def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
     if architecture not in MODEL_REGISTRY:
-        raise UnsupportedModelError(f"architecture {architecture!r} is not supported; this stage runs: "
-                                    f"{', '.join(MODEL_REGISTRY)}")
+        raise UnsupportedModelError(
+            f"architecture {architecture!r} is not supported; this stage runs: "
+            f"{', '.join(MODEL_REGISTRY)}")
     return MODEL_REGISTRY[architecture]
 
 
@@ -47,9 +50,9 @@ def default_dtype(dtype: torch.dtype):
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
-    """An empty model, allocated directly on `device` in `dtype`: no float32 copy first, no random init (the
-    loader fills every parameter). Stage 2 built in float32 on the CPU and then cast: 2x the memory for bfloat16,
-    and a host-RAM copy of the whole model before a GPU ever saw it."""
+    """An empty model, allocated directly on `device` in `dtype`: no float32 copy first, no random
+    init (the loader fills every parameter). Stage 2 built in float32 on the CPU and then cast: 2x
+    the memory for bfloat16, and a host-RAM copy of the whole model before a GPU ever saw it."""
     model_cls = get_model_class(cfg.architecture)
     with torch.device(device), default_dtype(dtype):
         model = model_cls(cfg)

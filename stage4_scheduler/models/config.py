@@ -1,15 +1,17 @@
 """The engine's own model config, read from a Hugging Face `config.json`.
 
-One dataclass describes every family this stage runs (Llama, Qwen2, Qwen3, Mistral): they share one decoder and
-differ only in a few flags. Reading config.json is where checkpoints silently go wrong, so `from_hf` refuses
-(UnsupportedModelError, naming the key) anything it would otherwise ignore and get wrong: an unknown RoPE scaling,
-a partial rotary, an activation other than SiLU.
+One dataclass describes every family this stage runs (Llama, Qwen2, Qwen3, Mistral): they share one
+decoder and differ only in a few flags. Reading config.json is where checkpoints silently go wrong,
+so `from_hf` refuses (UnsupportedModelError, naming the key) anything it would otherwise ignore and
+get wrong: an unknown RoPE scaling, a partial rotary, an activation other than SiLU.
 
 Two spellings of the RoPE settings exist in the wild, and both are read:
 
-    transformers >= 5:  "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, ...}
+    transformers >= 5:  "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor":
+                        8.0, ...}
     classic (4.x, most Hub checkpoints):  "rope_theta": 500000.0,
-                                          "rope_scaling": {"rope_type" or "type": "llama3", "factor": 8.0, ...}
+                                          "rope_scaling": {"rope_type" or "type": "llama3",
+                                              "factor": 8.0, ...}
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ class UnsupportedModelError(ValueError):
     """The checkpoint needs a feature this stage does not implement (yet)."""
 
 
-# RoPE variants this stage implements (layers.rope_inv_freq). Others (yarn, dynamic NTK, longrope) change more than
-# the frequencies, so they are refused rather than approximated.
+# RoPE variants this stage implements (layers.rope_inv_freq). Others (yarn, dynamic NTK, longrope)
+# change more than the frequencies, so they are refused rather than approximated.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_ROPE_KEYS = {"default": (), "linear": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+_ROPE_KEYS = {
+    "default": (), "linear": ("factor", ),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+}
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,8 @@ class ModelConfig:
     intermediate_size: int
     num_layers: int
     num_heads: int  # query heads
-    num_kv_heads: int  # key/value heads: < num_heads is grouped-query attention (GQA), 1 is multi-query
+    # key/value heads: < num_heads is grouped-query attention (GQA), 1 is multi-query
+    num_kv_heads: int
     head_dim: int  # explicit in Qwen3 / Mistral / SmolLM2 configs; else hidden_size // num_heads
     rms_norm_eps: float
     rope_theta: float
@@ -62,24 +67,29 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
-        """Parse a config.json dict. Family-specific fixed features (Qwen2's bias, Qwen3's q/k norm) are not in
-        the file: the family's model class adds them (models/qwen2.py, models/qwen3.py)."""
+        """Parse a config.json dict. Family-specific fixed features (Qwen2's bias, Qwen3's q/k norm)
+        are not in the file: the family's model class adds them (models/qwen2.py,
+        models/qwen3.py)."""
         archs = hf.get("architectures") or []
         if not archs:
-            raise UnsupportedModelError("config.json has no 'architectures' list: cannot tell which model it is")
+            raise UnsupportedModelError(
+                "config.json has no 'architectures' list: cannot tell which model it is")
         act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
         if act != "silu":
-            raise UnsupportedModelError(f"hidden_act={act!r}: this stage's MLP is SwiGLU (silu) only")
+            raise UnsupportedModelError(
+                f"hidden_act={act!r}: this stage's MLP is SwiGLU (silu) only")
         heads = hf["num_attention_heads"]
-        kv_heads = hf.get("num_key_value_heads") or heads  # absent or null: one KV head per query head (MHA)
+        # absent or null: one KV head per query head (MHA)
+        kv_heads = hf.get("num_key_value_heads") or heads
         if heads % kv_heads:
-            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+            raise ValueError(
+                f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         theta, scaling = parse_rope(hf)
         max_pos = hf.get("max_position_embeddings", 2048)
         window = _sliding_window(hf)
         if window is not None and window < max_pos:
-            # No sliding-window attention here: within the window it equals full attention, so the engine stays
-            # exact by never letting a sequence grow past it.
+            # No sliding-window attention here: within the window it equals full attention, so the
+            # engine stays exact by never letting a sequence grow past it.
             max_pos = window
         attention_bias = bool(hf.get("attention_bias", False))
         return cls(
@@ -105,18 +115,23 @@ class ModelConfig:
 
 
 def parse_rope(hf: dict) -> tuple[float, RopeScaling]:
-    """(rope_theta, RopeScaling) from either spelling; rope_parameters (transformers 5) wins when present."""
+    """(rope_theta, RopeScaling) from either spelling; rope_parameters (transformers 5) wins when
+    present."""
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    if rope and all(isinstance(v, dict) for v in rope.values()):  # per-layer-type RoPE (Gemma-style)
-        raise UnsupportedModelError(f"per-layer-type rope_parameters {sorted(rope)} are not supported")
+    # per-layer-type RoPE (Gemma-style)
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        raise UnsupportedModelError(
+            f"per-layer-type rope_parameters {sorted(rope)} are not supported")
     theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(f"RoPE scaling {rope_type!r} is not supported; this stage implements "
-                                    f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise UnsupportedModelError(
+            f"RoPE scaling {rope_type!r} is not supported; this stage implements "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}")
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
-        raise UnsupportedModelError(f"partial_rotary_factor={partial}: this stage rotates the whole head")
+        raise UnsupportedModelError(
+            f"partial_rotary_factor={partial}: this stage rotates the whole head")
     missing = [k for k in _ROPE_KEYS[rope_type] if k not in rope]
     if missing:
         raise ValueError(f"rope scaling {rope_type!r} needs {missing} in config.json, got {rope}")
@@ -125,8 +140,8 @@ def parse_rope(hf: dict) -> tuple[float, RopeScaling]:
 
 
 def _sliding_window(hf: dict) -> int | None:
-    """The attention window if any layer uses one. Mistral: "sliding_window" (null = none); Qwen2/3 carry a
-    sliding_window too but use it only with use_sliding_window=true."""
+    """The attention window if any layer uses one. Mistral: "sliding_window" (null = none); Qwen2/3
+    carry a sliding_window too but use it only with use_sliding_window=true."""
     window = hf.get("sliding_window")
     if window is None or ("use_sliding_window" in hf and not hf["use_sliding_window"]):
         return None

@@ -1,9 +1,11 @@
-"""The decode manager: the running requests, one token each per decode pass, and preemption when pages run out.
+"""The decode manager: the running requests, one token each per decode pass, and preemption when
+pages run out.
 
-Before each decode pass every running request needs a KV slot for the token it feeds. When the pool is empty, the
-lowest-priority, most recently arrived request is preempted: its pages are released and it goes back to the
-waiting queue to be recomputed later (prompt + output so far, prefilled again) — slower for that request, but the
-engine never crashes and never loses a token it already produced.
+Before each decode pass every running request needs a KV slot for the token it feeds. When the pool
+is empty, the lowest-priority, most recently arrived request is preempted: its pages are released
+and it goes back to the waiting queue to be recomputed later (prompt + output so far, prefilled
+again) — slower for that request, but the engine never crashes and never loses a token it already
+produced.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ class DecodeManager:
         return done
 
     def build(self, victim_order) -> tuple[Batch | None, list[Req]]:
-        """-> (the decode batch or None, the requests preempted to make room). victim_order: sort key, first = evict."""
+        """-> (the decode batch or None, the requests preempted to make room). victim_order: sort
+        key, first = evict."""
         preempted: list[Req] = []
         while True:
             short = [r for r in self.running if not self.cache.grow(r, r.device_len)]
@@ -40,5 +43,7 @@ class DecodeManager:
             preempted.append(victim)
         if not self.running:
             return None, preempted
-        out_cache_loc = [s for r in self.running for s in self.cache.slots(r, r.cached_len, r.device_len)]
+        out_cache_loc = [
+            s for r in self.running for s in self.cache.slots(r, r.cached_len, r.device_len)
+        ]
         return Batch(list(self.running), "decode", out_cache_loc), preempted

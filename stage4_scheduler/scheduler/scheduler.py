@@ -1,4 +1,5 @@
-"""The scheduler loop: one `step()` = pick a batch, run one forward pass, sample, update every request.
+"""The scheduler loop: one `step()` = pick a batch, run one forward pass, sample, update every
+request.
 
     add_request(req)   -> waiting queue
     step():
@@ -7,14 +8,15 @@
         engine.forward(batch) -> logits [B, vocab]
         sample; append tokens; detokenize; stop checks; finished requests release their pages
 
-Continuous batching is simply this loop: requests join at any step through a prefill, and leave the decode batch
-the step they finish, instead of a batch living and dying together (stage 2).
+Continuous batching is simply this loop: requests join at any step through a prefill, and leave the
+decode batch the step they finish, instead of a batch living and dying together (stage 2).
 
-How much to admit is a bet on the future: a running request may generate up to max_new_tokens more tokens, but
-most stop early. SGLang's `new_token_ratio` is that bet: admission expects each running request to need this share
-of its remaining budget. It starts at `init_new_token_ratio` (0.7 x schedule_conservativeness), falls a little each
-decode step that needed no preemption (down to min_new_token_ratio), and after a preemption is set to what the
-surviving requests really used so far, so admission becomes careful again exactly when it was too bold.
+How much to admit is a bet on the future: a running request may generate up to max_new_tokens more
+tokens, but most stop early. SGLang's `new_token_ratio` is that bet: admission expects each running
+request to need this share of its remaining budget. It starts at `init_new_token_ratio` (0.7 x
+schedule_conservativeness), falls a little each decode step that needed no preemption (down to
+min_new_token_ratio), and after a preemption is set to what the surviving requests really used so
+far, so admission becomes careful again exactly when it was too bold.
 """
 
 from __future__ import annotations
@@ -72,9 +74,12 @@ class Scheduler:
     engine: Engine
     tokenizer: object = None  # for text deltas and stop strings; None: token ids only
     max_prefill_tokens: int = 16384  # a prefill batch grows past this only with its first request
-    chunked_prefill_size: int = 512  # prefill tokens per batch; the request crossing it is cut (-1: never cut)
-    schedule_conservativeness: float = 1.0  # scales init_new_token_ratio: higher admits fewer requests
-    priority_aging_steps: int = 64  # every this many steps waiting, a request's priority rises by one
+    # prefill tokens per batch; the request crossing it is cut (-1: never cut)
+    chunked_prefill_size: int = 512
+    # scales init_new_token_ratio: higher admits fewer requests
+    schedule_conservativeness: float = 1.0
+    # every this many steps waiting, a request's priority rises by one
+    priority_aging_steps: int = 64
     log_interval: int = 0  # log throughput every N decode steps (0: never)
     record_stats: bool = False
     waiting: list[Req] = field(default_factory=list)
@@ -82,12 +87,15 @@ class Scheduler:
 
     def __post_init__(self) -> None:
         self.cache = CacheManager(self.engine.kv_pool, self.engine.page_table)
-        self.prefill_adder = PrefillAdder(self.cache, self.max_prefill_tokens, self.chunked_prefill_size)
+        self.prefill_adder = PrefillAdder(self.cache, self.max_prefill_tokens,
+                                          self.chunked_prefill_size)
         if self.schedule_conservativeness < 0:
-            raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
+            raise ValueError(
+                f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * self.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
-        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio_decay = (self.init_new_token_ratio -
+                                      self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_new_token_ratio
         self.decoder = DecodeManager(self.cache)
         self.chunked: Req | None = None  # the request whose prompt is being prefilled in chunks
@@ -106,9 +114,10 @@ class Scheduler:
         self.engine.check_prompt_fits(len(req.input_ids))
         pool_tokens = self.cache.pool.num_pages * self.cache.page_size
         if min(req.max_device_len, self.engine.max_context_len) > pool_tokens:
-            raise ValueError(f"request needs up to {req.max_device_len} tokens of KV cache (prompt + "
-                             f"max_new_tokens) but the whole pool holds {pool_tokens}; shorten the prompt or "
-                             "max_new_tokens")
+            raise ValueError(
+                f"request needs up to {req.max_device_len} tokens of KV cache (prompt + "
+                f"max_new_tokens) but the whole pool holds {pool_tokens}; shorten the prompt or "
+                "max_new_tokens")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         req.arrival = self.step_count
@@ -135,12 +144,16 @@ class Scheduler:
         return bool(self.reqs)
 
     def check_integrity(self) -> None:
-        """The pool's books balance, and exactly the running requests (plus a chunked prompt) hold pages."""
+        """The pool's books balance, and exactly the running requests (plus a chunked prompt) hold
+        pages."""
         self.cache.check_integrity(self.decoder.running)
-        holders = {r.rid for r in self.decoder.running} | ({self.chunked.rid} if self.chunked else set())
-        assert set(self.cache.req_pages) == holders, (
-            f"pages held by {sorted(self.cache.req_pages)} but running/chunked are {sorted(holders)}")
-        assert not any(r.table_idx >= 0 for r in self.waiting), "a waiting request still holds a page-table row"
+        holders = {r.rid
+                   for r in self.decoder.running} | ({self.chunked.rid} if self.chunked else set())
+        assert (
+            set(self.cache.req_pages) == holders
+        ), f"pages held by {sorted(self.cache.req_pages)} but running/chunked are {sorted(holders)}"
+        assert not any(r.table_idx >= 0
+                       for r in self.waiting), "a waiting request still holds a page-table row"
 
     # ---------------------------------------------------------------- one step
     def effective_priority(self, req: Req) -> int:
@@ -151,15 +164,17 @@ class Scheduler:
         start = time.perf_counter()
         self.waiting.sort(key=lambda r: (-self.effective_priority(r), r.arrival, r.rid))
         batch, admitted, preempted = None, [], []
-        # Prefill first (new requests join the decode batch sooner), except that a prompt being prefilled in
-        # chunks alternates with decode steps: that is what chunking is for.
+        # Prefill first (new requests join the decode batch sooner), except that a prompt being
+        # prefilled in chunks alternates with decode steps: that is what chunking is for.
         if not (self.chunked is not None and self.last_phase == "prefill" and self.decoder.running):
-            batch, admitted = self.prefill_adder.build(self.chunked, self.waiting, self.decoder.running,
-                                                       self.new_token_ratio, self.engine.max_context_len)
+            batch, admitted = self.prefill_adder.build(self.chunked, self.waiting,
+                                                       self.decoder.running, self.new_token_ratio,
+                                                       self.engine.max_context_len)
         if batch is not None:
             self.waiting = [r for r in self.waiting if r not in admitted]
         else:
-            batch, preempted = self.decoder.build(lambda r: (self.effective_priority(r), -r.arrival, -r.rid))
+            batch, preempted = self.decoder.build(lambda r:
+                                                  (self.effective_priority(r), -r.arrival, -r.rid))
             self.waiting.extend(preempted)
             self.total_preemptions += len(preempted)
             self.update_new_token_ratio(preempted)
@@ -171,15 +186,18 @@ class Scheduler:
         outputs = self.process(batch, logits)
         self.decoder.remove_finished()
         if self.record_stats:
-            self.stats.append(StepStats(self.step_count, batch.phase, batch.size, len(batch.out_cache_loc),
-                                        len(self.decoder.running), len(self.waiting), self.cache.num_used_pages,
-                                        len(preempted), time.perf_counter() - start))
+            self.stats.append(
+                StepStats(self.step_count, batch.phase, batch.size, len(batch.out_cache_loc),
+                          len(self.decoder.running), len(self.waiting), self.cache.num_used_pages,
+                          len(preempted),
+                          time.perf_counter() - start))
         self._maybe_log(batch, len(outputs))
         return outputs
 
     def update_new_token_ratio(self, preempted: list[Req]) -> None:
-        """After a decode batch was built: decay the estimate, or, if it had to preempt, reset it to what the
-        requests still running have really generated (SGLang's retract estimate) so admission backs off."""
+        """After a decode batch was built: decay the estimate, or, if it had to preempt, reset it to
+        what the requests still running have really generated (SGLang's retract estimate) so
+        admission backs off."""
         running = self.decoder.running
         if not running:
             self.new_token_ratio = self.init_new_token_ratio
@@ -188,15 +206,18 @@ class Scheduler:
             budget = sum(r.sampling_params.max_new_tokens for r in running)
             self.new_token_ratio = min(1.0, max(decoded / budget, self.new_token_ratio))
         else:
-            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay,
+                                       self.min_new_token_ratio)
 
     def process(self, batch: Batch, logits: torch.Tensor) -> list[StepOutput]:
-        """Advance every request of the batch; sample for those whose last fed token predicts a new one."""
+        """Advance every request of the batch; sample for those whose last fed token predicts a new
+        one."""
         sample_rows, to_sample = [], []
         if batch.phase == "prefill":
             self.chunked = None  # set again below if this batch cut a prompt
         for i, req in enumerate(batch.reqs):
-            if req.device_len < len(req.all_ids):  # a non-final prefill chunk: nothing to sample yet
+            # a non-final prefill chunk: nothing to sample yet
+            if req.device_len < len(req.all_ids):
                 req.complete_chunk()
                 self.chunked = req
             else:
@@ -204,7 +225,8 @@ class Scheduler:
                 to_sample.append(req)
         if not to_sample:
             return []
-        token_ids = sample(logits[sample_rows], to_sample, [self.generators[r.rid] for r in to_sample])
+        token_ids = sample(logits[sample_rows], to_sample,
+                           [self.generators[r.rid] for r in to_sample])
         outputs = []
         for req, token_id in zip(to_sample, token_ids):
             if batch.phase == "prefill":
@@ -214,7 +236,8 @@ class Scheduler:
             req.check_invariants()
             detok = self.detok.pop(req.rid, None) if req.finished else self.detok.get(req.rid)
             delta = detok.take_delta(final=req.finished) if detok else ""
-            outputs.append(StepOutput(req.rid, [token_id], delta, req.finished, req.finish_reason, req))
+            outputs.append(
+                StepOutput(req.rid, [token_id], delta, req.finished, req.finish_reason, req))
         return outputs
 
     def _check_stop(self, req: Req, token_id: int) -> None:
@@ -227,7 +250,8 @@ class Scheduler:
             self._finish(req, "stop", token_id)
         elif matched_string is not None:
             self._finish(req, "stop", matched_string)
-        elif len(req.output_ids) >= params.max_new_tokens or req.device_len >= self.engine.max_context_len:
+        elif len(req.output_ids
+                 ) >= params.max_new_tokens or req.device_len >= self.engine.max_context_len:
             self._finish(req, "length")
 
     def _finish(self, req: Req, reason: str, matched=None) -> None:
@@ -239,9 +263,20 @@ class Scheduler:
 
     def _maybe_log(self, batch: Batch, num_new_tokens: int) -> None:
         self._log_tokens += num_new_tokens
-        if self.log_interval and batch.phase == "decode" and self.step_count % self.log_interval == 0:
+        if (
+            self.log_interval
+            and batch.phase == "decode"
+            and self.step_count % self.log_interval == 0
+        ):
             now = time.perf_counter()
-            logger.info("step %d: decode batch %d, %d waiting, KV pages %d/%d used, gen throughput %.1f tok/s",
-                        self.step_count, batch.size, len(self.waiting), self.cache.num_used_pages,
-                        self.cache.pool.num_pages, self._log_tokens / (now - self._log_time))
+            logger.info(
+                "step %d: decode batch %d, %d waiting, KV pages %d/%d used, gen throughput %.1f "
+                "tok/s",
+                self.step_count,
+                batch.size,
+                len(self.waiting),
+                self.cache.num_used_pages,
+                self.cache.pool.num_pages,
+                self._log_tokens / (now - self._log_time),
+            )
             self._log_tokens, self._log_time = 0, now

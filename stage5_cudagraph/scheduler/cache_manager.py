@@ -1,4 +1,5 @@
-"""The cache manager: hands out KV pages and page-table rows, takes them back, and can prove it lost none.
+"""The cache manager: hands out KV pages and page-table rows, takes them back, and can prove it lost
+none.
 
 It owns the *bookkeeping* (free list, each request's pages) on the host; the engine owns the memory.
 """
@@ -12,7 +13,8 @@ from ..kv_cache import PagedKVPool, PageTable
 class CacheManager:
     def __init__(self, pool: PagedKVPool, page_table: PageTable):
         self.pool, self.page_table, self.page_size = pool, page_table, pool.page_size
-        self.free_pages: list[int] = list(range(pool.num_pages - 1, -1, -1))  # a stack: pop() gives page 0 first
+        # a stack: pop() gives page 0 first
+        self.free_pages: list[int] = list(range(pool.num_pages - 1, -1, -1))
         self.req_pages: dict[int, list[int]] = {}  # rid -> its pages, in position order
 
     @property
@@ -40,7 +42,8 @@ class CacheManager:
         self.req_pages[req.rid] = []
 
     def grow(self, req: Req, num_tokens: int) -> bool:
-        """Give the request enough pages to hold num_tokens tokens; all or nothing. False: not enough free pages."""
+        """Give the request enough pages to hold num_tokens tokens; all or nothing. False: not
+        enough free pages."""
         missing = self.pages_missing(req, num_tokens)
         if missing > len(self.free_pages):
             return False
@@ -51,7 +54,8 @@ class CacheManager:
         return True
 
     def slots(self, req: Req, start: int, end: int) -> list[int]:
-        """Pool slots (page * page_size + offset) of the request's positions start .. end-1: where K/V go."""
+        """Pool slots (page * page_size + offset) of the request's positions start .. end-1: where
+        K/V go."""
         pages, ps = self.req_pages[req.rid], self.page_size
         return [pages[p // ps] * ps + p % ps for p in range(start, end)]
 
@@ -62,16 +66,27 @@ class CacheManager:
         req.table_idx = -1
 
     def check_integrity(self, running: list[Req] = ()) -> None:
-        """free + used == total, no page owned twice or both owned and free, rows consistent with requests."""
+        """free + used == total, no page owned twice or both owned and free, rows consistent with
+        requests."""
         owned = [p for pages in self.req_pages.values() for p in pages]
         assert len(set(owned)) == len(owned), "a KV page is owned by two requests"
         assert not set(owned) & set(self.free_pages), "a KV page is both free and owned"
-        assert len(set(self.free_pages)) == len(self.free_pages), "a KV page is on the free list twice"
-        assert len(owned) + len(self.free_pages) == self.pool.num_pages, (
-            f"pages leaked: {len(owned)} owned + {len(self.free_pages)} free != {self.pool.num_pages}")
+        assert len(set(self.free_pages)) == len(
+            self.free_pages), "a KV page is on the free list twice"
+        assert (
+            len(owned) + len(self.free_pages) == self.pool.num_pages
+        ), (
+            f"pages leaked: {len(owned)} owned + {len(self.free_pages)} free != "
+            f"{self.pool.num_pages}"
+        )
         used_rows = self.page_table.max_rows - len(self.page_table.free_rows)
-        assert used_rows == len(self.req_pages), f"{used_rows} page-table rows used by {len(self.req_pages)} requests"
+        assert used_rows == len(
+            self.req_pages), f"{used_rows} page-table rows used by {len(self.req_pages)} requests"
         for req in running:
-            assert req.rid in self.req_pages and req.table_idx >= 0, f"running request {req.rid} holds no pages"
-            # Cached tokens must sit in owned pages; the next token gets its page when its batch is built.
-            assert len(self.req_pages[req.rid]) * self.page_size >= req.cached_len, f"request {req.rid} overflows"
+            assert (
+                req.rid in self.req_pages and req.table_idx >= 0
+            ), f"running request {req.rid} holds no pages"
+            # Cached tokens must sit in owned pages; the next token gets its page when its batch is
+            # built.
+            assert len(self.req_pages[
+                req.rid]) * self.page_size >= req.cached_len, f"request {req.rid} overflows"

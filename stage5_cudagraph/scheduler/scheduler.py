@@ -1,4 +1,5 @@
-"""The scheduler loop: one `step()` = pick a batch, run one forward pass, sample, update every request.
+"""The scheduler loop: one `step()` = pick a batch, run one forward pass, sample, update every
+request.
 
     add_request(req)   -> waiting queue
     step():
@@ -7,30 +8,34 @@
         engine.forward(batch) -> logits [B, vocab]
         sample; append tokens; detokenize; stop checks; finished requests release their pages
 
-Continuous batching is simply this loop: requests join at any step through a prefill, and leave the decode batch
-the step they finish, instead of a batch living and dying together (stage 2).
+Continuous batching is simply this loop: requests join at any step through a prefill, and leave the
+decode batch the step they finish, instead of a batch living and dying together (stage 2).
 
-How much to admit is a bet on the future: a running request may generate up to max_new_tokens more tokens, but
-most stop early. SGLang's `new_token_ratio` is that bet: admission expects each running request to need this share
-of its remaining budget. It starts at `init_new_token_ratio` (0.7 x schedule_conservativeness), falls a little each
-decode step that needed no preemption (down to min_new_token_ratio), and after a preemption is set to what the
-surviving requests really used so far, so admission becomes careful again exactly when it was too bold.
+How much to admit is a bet on the future: a running request may generate up to max_new_tokens more
+tokens, but most stop early. SGLang's `new_token_ratio` is that bet: admission expects each running
+request to need this share of its remaining budget. It starts at `init_new_token_ratio` (0.7 x
+schedule_conservativeness), falls a little each decode step that needed no preemption (down to
+min_new_token_ratio), and after a preemption is set to what the surviving requests really used so
+far, so admission becomes careful again exactly when it was too bold.
 
-Stage 5, overlap scheduling ("zero-overhead" scheduler): each step *launches* batch N and then processes the
-results of batch N-1 while N runs, so the device never waits for the CPU's bookkeeping.
+Stage 5, overlap scheduling ("zero-overhead" scheduler): each step *launches* batch N and then
+processes the results of batch N-1 while N runs, so the device never waits for the CPU's
+bookkeeping.
 
     step():
-        build batch N (host state was advanced when N-1 launched: positions and KV slots are known, the token
-                       N-1 sampled is not -> its input id is a placeholder -(row + 1), resolved on the device from
-                       engine.future_tokens, where N-1's sampler left it)
-        launch N on the device worker
-        process N-1: read its tokens, fill in the placeholders, stop checks, detokenize, free finished requests
+        build batch N (host state was advanced when N-1 launched: positions and KV slots are known,
+        the token
+                       N-1 sampled is not -> its input id is a placeholder -(row + 1), resolved on
+                       the device from engine.future_tokens, where N-1's sampler left it)
+        launch N on the device worker process N-1: read its tokens, fill in the placeholders, stop
+        checks, detokenize, free finished requests
 
-A request that N-1 finished (EOS, stop string: unknowable before its token is read) is usually in batch N already:
-its extra token is dropped, and its pages are released only once N completed (no page is reused while a launched
-batch may still write to it). Finishing by max_new_tokens is known at launch, so such a request is not fed again.
-Two cases need the real tokens before building, and drain the pipeline first (process N-1, then build): penalties
-(they read every previous token on the host) and a decode step that must preempt (recompute needs the tokens).
+A request that N-1 finished (EOS, stop string: unknowable before its token is read) is usually in
+batch N already: its extra token is dropped, and its pages are released only once N completed (no
+page is reused while a launched batch may still write to it). Finishing by max_new_tokens is known
+at launch, so such a request is not fed again. Two cases need the real tokens before building, and
+drain the pipeline first (process N-1, then build): penalties (they read every previous token on the
+host) and a decode step that must preempt (recompute needs the tokens).
 """
 
 from __future__ import annotations
@@ -89,13 +94,17 @@ class Scheduler:
     engine: Engine
     tokenizer: object = None  # for text deltas and stop strings; None: token ids only
     max_prefill_tokens: int = 16384  # a prefill batch grows past this only with its first request
-    chunked_prefill_size: int = 512  # prefill tokens per batch; the request crossing it is cut (-1: never cut)
-    schedule_conservativeness: float = 1.0  # scales init_new_token_ratio: higher admits fewer requests
-    priority_aging_steps: int = 64  # every this many steps waiting, a request's priority rises by one
+    # prefill tokens per batch; the request crossing it is cut (-1: never cut)
+    chunked_prefill_size: int = 512
+    # scales init_new_token_ratio: higher admits fewer requests
+    schedule_conservativeness: float = 1.0
+    # every this many steps waiting, a request's priority rises by one
+    priority_aging_steps: int = 64
     log_interval: int = 0  # log throughput every N decode steps (0: never)
     record_stats: bool = False
-    # Process step N-1's results while step N runs (False: stage 4's synchronous loop). None: on CUDA only: on a CPU
-    # the forward would run on a second thread, and two threads running torch's kernels slow both (README, Figures).
+    # Process step N-1's results while step N runs (False: stage 4's synchronous loop). None: on
+    # CUDA only: on a CPU the forward would run on a second thread, and two threads running torch's
+    # kernels slow both (README, Figures).
     overlap: bool | None = None
     waiting: list[Req] = field(default_factory=list)
     stats: list[StepStats] = field(default_factory=list)
@@ -103,12 +112,15 @@ class Scheduler:
 
     def __post_init__(self) -> None:
         self.cache = CacheManager(self.engine.kv_pool, self.engine.page_table)
-        self.prefill_adder = PrefillAdder(self.cache, self.max_prefill_tokens, self.chunked_prefill_size)
+        self.prefill_adder = PrefillAdder(self.cache, self.max_prefill_tokens,
+                                          self.chunked_prefill_size)
         if self.schedule_conservativeness < 0:
-            raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
+            raise ValueError(
+                f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * self.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
-        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio_decay = (self.init_new_token_ratio -
+                                      self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_new_token_ratio
         self.decoder = DecodeManager(self.cache)
         self.chunked: Req | None = None  # the request whose prompt is being prefilled in chunks
@@ -122,9 +134,12 @@ class Scheduler:
         if self.overlap is None:
             self.overlap = self.engine.device.type == "cuda"
         self.worker = DeviceWorker(self.engine.device, self.overlap)
-        self.inflight: list[tuple[Batch, list[tuple[Req, int]], Pending]] = []  # launched, results not yet read
-        self.deferred: list[Req] = []  # finished, but still in a launched batch: pages released after it
-        self.ready_outputs: list[StepOutput] = []  # results read early by a drain, returned by this step
+        # launched, results not yet read
+        self.inflight: list[tuple[Batch, list[tuple[Req, int]], Pending]] = []
+        # finished, but still in a launched batch: pages released after it
+        self.deferred: list[Req] = []
+        # results read early by a drain, returned by this step
+        self.ready_outputs: list[StepOutput] = []
 
     # ---------------------------------------------------------------- requests in and out
     def add_request(self, req: Req) -> None:
@@ -133,9 +148,10 @@ class Scheduler:
         self.engine.check_prompt_fits(len(req.input_ids))
         pool_tokens = self.cache.pool.num_pages * self.cache.page_size
         if min(req.max_device_len, self.engine.max_context_len) > pool_tokens:
-            raise ValueError(f"request needs up to {req.max_device_len} tokens of KV cache (prompt + "
-                             f"max_new_tokens) but the whole pool holds {pool_tokens}; shorten the prompt or "
-                             "max_new_tokens")
+            raise ValueError(
+                f"request needs up to {req.max_device_len} tokens of KV cache (prompt + "
+                f"max_new_tokens) but the whole pool holds {pool_tokens}; shorten the prompt or "
+                "max_new_tokens")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         req.arrival = self.step_count
@@ -151,7 +167,8 @@ class Scheduler:
     def abort(self, rid: int) -> None:
         req = self.reqs.get(rid)
         if req is not None and self._launched(req):
-            self.drain()  # read its launched tokens first: no placeholder stays in its output, its pages free now
+            # read its launched tokens first: no placeholder stays in its output, its pages free now
+            self.drain()
             req = self.reqs.get(rid)  # None if those tokens finished it anyway
         if req is not None:
             self._finish(req, "abort")
@@ -165,12 +182,17 @@ class Scheduler:
         return bool(self.reqs)
 
     def check_integrity(self) -> None:
-        """The pool's books balance, and exactly the running requests (plus a chunked prompt) hold pages."""
+        """The pool's books balance, and exactly the running requests (plus a chunked prompt) hold
+        pages."""
         self.cache.check_integrity(self.decoder.running)
-        holders = {r.rid for r in self.decoder.running + self.deferred} | ({self.chunked.rid} if self.chunked else set())
-        assert set(self.cache.req_pages) == holders, (
-            f"pages held by {sorted(self.cache.req_pages)} but running/chunked are {sorted(holders)}")
-        assert not any(r.table_idx >= 0 for r in self.waiting), "a waiting request still holds a page-table row"
+        holders = {r.rid
+                   for r in self.decoder.running + self.deferred
+                   } | ({self.chunked.rid} if self.chunked else set())
+        assert (
+            set(self.cache.req_pages) == holders
+        ), f"pages held by {sorted(self.cache.req_pages)} but running/chunked are {sorted(holders)}"
+        assert not any(r.table_idx >= 0
+                       for r in self.waiting), "a waiting request still holds a page-table row"
 
     # ---------------------------------------------------------------- one step
     def effective_priority(self, req: Req) -> int:
@@ -184,29 +206,35 @@ class Scheduler:
         batch, preempted = self.schedule()
         if batch is not None:
             self.launch(batch, start)
-        # With overlap, leave the step just launched running and read the one before; without, read it now.
+        # With overlap, leave the step just launched running and read the one before; without, read
+        # it now.
         while len(self.inflight) > (1 if self.overlap and batch is not None else 0):
             self.ready_outputs += self.process(*self.inflight.pop(0))
         if self.inflight and not self.reqs:
-            self.drain()  # only finished requests are still launched: nothing to overlap, free their pages now
+            # only finished requests are still launched: nothing to overlap, free their pages now
+            self.drain()
         outputs, self.ready_outputs = self.ready_outputs, []
         if batch is not None:
             if self.record_stats:
-                self.stats.append(StepStats(self.step_count, batch.phase, batch.size, len(batch.out_cache_loc),
-                                            len(self.decoder.running), len(self.waiting),
-                                            self.cache.num_used_pages, len(preempted), time.perf_counter() - start))
+                self.stats.append(
+                    StepStats(self.step_count, batch.phase, batch.size, len(batch.out_cache_loc),
+                              len(self.decoder.running), len(self.waiting),
+                              self.cache.num_used_pages, len(preempted),
+                              time.perf_counter() - start))
             self._maybe_log(batch, len(outputs))
         return outputs
 
     def schedule(self) -> tuple[Batch | None, list[Req]]:
-        """Stage 4's choice of the next batch; with overlap, on host state that already counts launched steps."""
+        """Stage 4's choice of the next batch; with overlap, on host state that already counts
+        launched steps."""
         self.waiting.sort(key=lambda r: (-self.effective_priority(r), r.arrival, r.rid))
         batch, preempted = None, []
-        # Prefill first (new requests join the decode batch sooner), except that a prompt being prefilled in
-        # chunks alternates with decode steps: that is what chunking is for.
+        # Prefill first (new requests join the decode batch sooner), except that a prompt being
+        # prefilled in chunks alternates with decode steps: that is what chunking is for.
         if not (self.chunked is not None and self.last_phase == "prefill" and self.decoder.running):
-            batch, admitted = self.prefill_adder.build(self.chunked, self.waiting, self.decoder.running,
-                                                       self.new_token_ratio, self.engine.max_context_len)
+            batch, admitted = self.prefill_adder.build(self.chunked, self.waiting,
+                                                       self.decoder.running, self.new_token_ratio,
+                                                       self.engine.max_context_len)
             if batch is not None:
                 self.waiting = [r for r in self.waiting if r not in admitted]
                 return batch, []
@@ -214,9 +242,10 @@ class Scheduler:
             missing = sum(self.cache.pages_missing(r, r.device_len)
                           for r in self.decoder.candidates(self.done_launching))
             if missing > self.cache.num_free_pages:
-                self.drain()  # preemption resets a request to its host tokens: read the launched ones first
-        batch, preempted = self.decoder.build(lambda r: (self.effective_priority(r), -r.arrival, -r.rid),
-                                              self.done_launching)
+                # preemption resets a request to its host tokens: read the launched ones first
+                self.drain()
+        batch, preempted = self.decoder.build(
+            lambda r: (self.effective_priority(r), -r.arrival, -r.rid), self.done_launching)
         self.waiting.extend(preempted)
         self.total_preemptions += len(preempted)
         self.update_new_token_ratio(preempted)
@@ -228,8 +257,9 @@ class Scheduler:
                 or req.device_len >= self.engine.max_context_len)
 
     def update_new_token_ratio(self, preempted: list[Req]) -> None:
-        """After a decode batch was built: decay the estimate, or, if it had to preempt, reset it to what the
-        requests still running have really generated (SGLang's retract estimate) so admission backs off."""
+        """After a decode batch was built: decay the estimate, or, if it had to preempt, reset it to
+        what the requests still running have really generated (SGLang's retract estimate) so
+        admission backs off."""
         running = self.decoder.running
         if not running:
             self.new_token_ratio = self.init_new_token_ratio
@@ -238,17 +268,21 @@ class Scheduler:
             budget = sum(r.sampling_params.max_new_tokens for r in running)
             self.new_token_ratio = min(1.0, max(decoded / budget, self.new_token_ratio))
         else:
-            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay,
+                                       self.min_new_token_ratio)
 
     def launch(self, batch: Batch, start: float) -> None:
-        """Prepare the batch's tensors, advance every request as if its step were done, and submit the step."""
-        fb = self.engine.prepare(batch)  # reads the placeholders of the step before, if it is still running
+        """Prepare the batch's tensors, advance every request as if its step were done, and submit
+        the step."""
+        # reads the placeholders of the step before, if it is still running
+        fb = self.engine.prepare(batch)
         self.last_phase = batch.phase
         if batch.phase == "prefill":
             self.chunked = None  # set again below if this batch cut a prompt
         sample_rows, sampled = [], []  # sampled: (request, index of its new token in output_ids)
         for i, req in enumerate(batch.reqs):
-            if req.device_len < len(req.all_ids):  # a non-final prefill chunk: nothing to sample yet
+            # a non-final prefill chunk: nothing to sample yet
+            if req.device_len < len(req.all_ids):
                 req.complete_chunk()
                 self.chunked = req
                 continue
@@ -260,7 +294,8 @@ class Scheduler:
         reqs = [r for r, _ in sampled]
         gens = [self.generators.get(r.rid) for r in reqs]
         engine = self.engine
-        rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.long, device=engine.device)  # [S]
+        # [S]
+        rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.long, device=engine.device)
         sel = torch.tensor(sample_rows, dtype=torch.long, device=engine.device)  # [S]
 
         def device_step() -> torch.Tensor:  # runs on the device worker
@@ -272,42 +307,51 @@ class Scheduler:
             return tokens
 
         timing = StepTiming(self.step_count, batch.phase, batch.size, (start, time.perf_counter()))
-        # Alive until the step is read back: on CUDA the forward stream reads them after this thread drops them.
-        # fb.input_ids is listed on its own because engine.run replaces it with the resolved ids.
+        # Alive until the step is read back: on CUDA the forward stream reads them after this thread
+        # drops them. fb.input_ids is listed on its own because engine.run replaces it with the
+        # resolved ids.
         keep_alive = [fb, fb.input_ids, rows, sel]
-        pending = self.worker.submit(device_step)  # without overlap, this runs the step before returning
+        # without overlap, this runs the step before returning
+        pending = self.worker.submit(device_step)
         pending.timing, pending.keep_alive = timing, keep_alive
         self.inflight.append((batch, sampled, pending))
 
     def shutdown(self) -> None:
-        """Read back what is still in flight, then stop the device worker (LLM.close), even if that step failed."""
+        """Read back what is still in flight, then stop the device worker (LLM.close), even if that
+        step failed."""
         try:
             self.drain()
         finally:
             self.worker.shutdown()
 
     def drain(self) -> None:
-        """Read every launched step now (the pipeline empties; its outputs go out with this step's)."""
+        """Read every launched step now (the pipeline empties; its outputs go out with this
+        step's)."""
         while self.inflight:
             self.ready_outputs += self.process(*self.inflight.pop(0))
 
-    def process(self, batch: Batch, sampled: list[tuple[Req, int]], pending: Pending) -> list[StepOutput]:
-        """Read one launched step's tokens: fill in placeholders, stop checks, detokenize, release finished."""
+    def process(self, batch: Batch, sampled: list[tuple[Req, int]],
+                pending: Pending) -> list[StepOutput]:
+        """Read one launched step's tokens: fill in placeholders, stop checks, detokenize, release
+        finished."""
         tokens, events = pending.wait()
         t0 = time.perf_counter()
         outputs = []
         for (req, index), token_id in zip(sampled, tokens):
-            if req.finished:  # it finished at an earlier step (or was aborted) while this one was in flight
+            # it finished at an earlier step (or was aborted) while this one was in flight
+            if req.finished:
                 continue
             req.output_ids[index] = token_id
             self._check_stop(req, token_id, index + 1)
-            if req.finished and len(req.output_ids) > index + 1:  # drop the launched tokens after the last one
+            # drop the launched tokens after the last one
+            if req.finished and len(req.output_ids) > index + 1:
                 del req.output_ids[index + 1 :]
                 req.device_len, req.cached_len = len(req.all_ids), len(req.all_ids) - 1
             req.check_invariants()
             detok = self.detok.pop(req.rid, None) if req.finished else self.detok.get(req.rid)
             delta = detok.take_delta(final=req.finished) if detok else ""
-            outputs.append(StepOutput(req.rid, [token_id], delta, req.finished, req.finish_reason, req))
+            outputs.append(
+                StepOutput(req.rid, [token_id], delta, req.finished, req.finish_reason, req))
         self.decoder.remove_finished()
         still_launched = {r.rid for b, _, _ in self.inflight for r in b.reqs}
         for req in [r for r in self.deferred if r.rid not in still_launched]:
@@ -320,7 +364,8 @@ class Scheduler:
         return outputs
 
     def _check_stop(self, req: Req, token_id: int, num_output: int) -> None:
-        """num_output: the request's output length up to this token (later launched tokens are not counted)."""
+        """num_output: the request's output length up to this token (later launched tokens are not
+        counted)."""
         params = req.sampling_params
         detok = self.detok.get(req.rid)
         matched_string = detok.add(token_id) if detok else None
@@ -338,7 +383,8 @@ class Scheduler:
         req.status, req.finish_reason, req.matched_stop = ReqStatus.FINISHED, reason, matched
         if req.table_idx >= 0:
             if self._launched(req):
-                self.deferred.append(req)  # a launched batch may still write its KV pages: release after it
+                # a launched batch may still write its KV pages: release after it
+                self.deferred.append(req)
             else:
                 self.cache.release(req)
         self.reqs.pop(req.rid, None)
@@ -350,9 +396,20 @@ class Scheduler:
 
     def _maybe_log(self, batch: Batch, num_new_tokens: int) -> None:
         self._log_tokens += num_new_tokens
-        if self.log_interval and batch.phase == "decode" and self.step_count % self.log_interval == 0:
+        if (
+            self.log_interval
+            and batch.phase == "decode"
+            and self.step_count % self.log_interval == 0
+        ):
             now = time.perf_counter()
-            logger.info("step %d: decode batch %d, %d waiting, KV pages %d/%d used, gen throughput %.1f tok/s",
-                        self.step_count, batch.size, len(self.waiting), self.cache.num_used_pages,
-                        self.cache.pool.num_pages, self._log_tokens / (now - self._log_time))
+            logger.info(
+                "step %d: decode batch %d, %d waiting, KV pages %d/%d used, gen throughput %.1f "
+                "tok/s",
+                self.step_count,
+                batch.size,
+                len(self.waiting),
+                self.cache.num_used_pages,
+                self.cache.pool.num_pages,
+                self._log_tokens / (now - self._log_time),
+            )
             self._log_tokens, self._log_time = 0, now

@@ -1,18 +1,22 @@
-"""The cache manager: hands out KV pages and page-table rows, takes them back, and can prove it lost none.
+"""The cache manager: hands out KV pages and page-table rows, takes them back, and can prove it lost
+none.
 
 It owns the *bookkeeping* (free list, each request's pages) on the host; the engine owns the memory.
 
-Stage 6: pages that finished requests computed are not freed but kept in the radix tree (radix_cache.py), so a
-later request whose prompt starts the same way reuses them. Every page is now exactly one of:
+Stage 6: pages that finished requests computed are not freed but kept in the radix tree
+(radix_cache.py), so a later request whose prompt starts the same way reuses them. Every page is now
+exactly one of:
 
     free                 on the free list
-    in the tree          cached; *protected* while a running request's prefix runs through it (locked),
-                         *evictable* otherwise: freed on demand, least recently used leaf first
+    in the tree          cached; *protected* while a running request's prefix runs through it
+                         (locked), *evictable* otherwise: freed on demand, least recently used leaf
+                         first
     private              owned by one running request: the pages it is computing now
 
-A running request's pages, in position order, are its matched prefix (tree pages, locked for it) followed by its
-private pages. When it ends (finished, aborted or preempted) its full pages go into the tree, the partial last one
-and any duplicate of what the tree already had are freed, and its lock is released.
+A running request's pages, in position order, are its matched prefix (tree pages, locked for it)
+followed by its private pages. When it ends (finished, aborted or preempted) its full pages go into
+the tree, the partial last one and any duplicate of what the tree already had are freed, and its
+lock is released.
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ class CacheManager:
     def __init__(self, pool: PagedKVPool, page_table: PageTable, tree: RadixCache | None = None):
         self.pool, self.page_table, self.page_size = pool, page_table, pool.page_size
         self.tree = tree  # None: --disable-radix-cache, stage 5's behaviour
-        self.free_pages: list[int] = list(range(pool.num_pages - 1, -1, -1))  # a stack: pop() gives page 0 first
+        # a stack: pop() gives page 0 first
+        self.free_pages: list[int] = list(range(pool.num_pages - 1, -1, -1))
         self.req_pages: dict[int, list[int]] = {}  # rid -> its pages, in position order
-        self.req_shared: dict[int, int] = {}  # rid -> how many of its first pages are the tree's (locked for it)
+        # rid -> how many of its first pages are the tree's (locked for it)
+        self.req_shared: dict[int, int] = {}
 
     # ---------------------------------------------------------------- counting
     @property
@@ -48,7 +54,8 @@ class CacheManager:
 
     @property
     def num_used_pages(self) -> int:
-        """Pages held by running requests (private or locked tree pages): not available to anyone else."""
+        """Pages held by running requests (private or locked tree pages): not available to anyone
+        else."""
         return self.pool.num_pages - self.num_available_pages
 
     def pages_for(self, num_tokens: int) -> int:
@@ -63,8 +70,9 @@ class CacheManager:
 
     # ---------------------------------------------------------------- admission
     def match_prefix(self, req: Req) -> int:
-        """How many leading tokens of the request the tree holds (whole pages; never all of them: the last token
-        must be computed, its logits give the next one). Records the match on the request, does not lock it."""
+        """How many leading tokens of the request the tree holds (whole pages; never all of them:
+        the last token must be computed, its logits give the next one). Records the match on the
+        request, does not lock it."""
         if self.tree is None:
             req.prefix_indices, req.last_node = torch.empty(0, dtype=torch.int64), None
             return 0
@@ -81,7 +89,8 @@ class CacheManager:
             self.tree.dec_lock_ref(req.last_node)
 
     def acquire_row(self, req: Req) -> None:
-        """A page-table row for the request, starting with the pages of its matched (and locked) prefix."""
+        """A page-table row for the request, starting with the pages of its matched (and locked)
+        prefix."""
         row = self.page_table.alloc_row()
         assert row is not None, "no free page-table row: the scheduler must check can_run() first"
         req.table_idx = row
@@ -91,8 +100,8 @@ class CacheManager:
         req.cached_len = len(req.prefix_indices)  # those tokens' K/V are already in the pool
 
     def grow(self, req: Req, num_tokens: int) -> bool:
-        """Give the request enough pages to hold num_tokens tokens, evicting unlocked tree pages if the free list
-        is short; all or nothing. False: not enough pages even then."""
+        """Give the request enough pages to hold num_tokens tokens, evicting unlocked tree pages if
+        the free list is short; all or nothing. False: not enough pages even then."""
         missing = self.pages_missing(req, num_tokens)
         if missing > self.num_available_pages:
             return False
@@ -104,15 +113,16 @@ class CacheManager:
         return True
 
     def slots(self, req: Req, start: int, end: int) -> list[int]:
-        """Pool slots (page * page_size + offset) of the request's positions start .. end-1: where K/V go."""
+        """Pool slots (page * page_size + offset) of the request's positions start .. end-1: where
+        K/V go."""
         pages, ps = self.req_pages[req.rid], self.page_size
         return [pages[p // ps] * ps + p % ps for p in range(start, end)]
 
     # ---------------------------------------------------------------- into the tree, and out
     def cache_unfinished(self, req: Req) -> None:
-        """The request's prompt, or a chunk of it, was computed (SGLang's cache_unfinished_req): put its full pages
-        in the tree now, so that a concurrent request with the same prefix need not compute it again, and move the
-        request's lock down to the new end of its cached prefix."""
+        """The request's prompt, or a chunk of it, was computed (SGLang's cache_unfinished_req): put
+        its full pages in the tree now, so that a concurrent request with the same prefix need not
+        compute it again, and move the request's lock down to the new end of its cached prefix."""
         if self.tree is None:
             return
         num_full = req.cached_len // self.page_size
@@ -126,26 +136,31 @@ class CacheManager:
         self.req_shared[req.rid] = num_full
 
     def release(self, req: Req) -> None:
-        """The request ended (finished, aborted or preempted): its computed full pages go into the tree, the rest
-        of its pages back to the free list, its lock and its page-table row are released."""
+        """The request ended (finished, aborted or preempted): its computed full pages go into the
+        tree, the rest of its pages back to the free list, its lock and its page-table row are
+        released."""
         pages, ps = self.req_pages[req.rid], self.page_size
-        num_full = req.cached_len // ps if self.tree is not None else 0  # pages whose every token has its K/V
+        # pages whose every token has its K/V
+        num_full = req.cached_len // ps if self.tree is not None else 0
         self._insert(req, num_full)
-        self.free_pages.extend(reversed(pages[num_full:]))  # the partial last page and any unused one
+        # the partial last page and any unused one
+        self.free_pages.extend(reversed(pages[num_full:]))
         self.unlock(req)
         del self.req_pages[req.rid], self.req_shared[req.rid]
         self.page_table.free_row(req.table_idx)
         req.table_idx, req.last_node = -1, None
 
     def _insert(self, req: Req, num_full: int) -> None:
-        """Insert the request's first num_full pages. Pages the tree already had (another request computed the
-        same tokens meanwhile) are duplicates: the request's page-table row is pointed at the tree's pages first
-        (a row must never name a freed page), then the duplicates are freed."""
+        """Insert the request's first num_full pages. Pages the tree already had (another request
+        computed the same tokens meanwhile) are duplicates: the request's page-table row is pointed
+        at the tree's pages first (a row must never name a freed page), then the duplicates are
+        freed."""
         if self.tree is None or num_full == 0:
             return
         pages, ps, shared = self.req_pages[req.rid], self.page_size, self.req_shared[req.rid]
         ids = req.all_ids[: num_full * ps]
-        slots = torch.tensor(self.slots(req, 0, num_full * ps), dtype=torch.int64)  # a copy, never a view
+        # a copy, never a view
+        slots = torch.tensor(self.slots(req, 0, num_full * ps), dtype=torch.int64)
         present = self.tree.insert(ids, slots) // ps  # pages the tree had before this insert
         if present > shared:
             tree_pages = self._pages_of(self.tree.match_prefix(ids[: present * ps]).indices)
@@ -172,9 +187,10 @@ class CacheManager:
 
     # ---------------------------------------------------------------- proof
     def check_integrity(self, running: list[Req] = (), holders: list[Req] = ()) -> None:
-        """Every page is exactly one of free / in the tree / private to one request; the tree's own invariants
-        hold; each holder's row starts with its locked tree pages; every lock is held by exactly the requests
-        whose prefix runs through it. `holders`: every request that holds pages (running, chunked, deferred)."""
+        """Every page is exactly one of free / in the tree / private to one request; the tree's own
+        invariants hold; each holder's row starts with its locked tree pages; every lock is held by
+        exactly the requests whose prefix runs through it. `holders`: every request that holds pages
+        (running, chunked, deferred)."""
         private = [p for rid, pages in self.req_pages.items() for p in pages[self.req_shared[rid]:]]
         tree_pages: list[int] = []
         if self.tree is not None:
@@ -182,31 +198,45 @@ class CacheManager:
             for node in self.tree.iter_nodes():
                 tree_pages += self._pages_of(node.value)
         everything = private + tree_pages + self.free_pages
-        assert len(set(everything)) == len(everything), "a KV page is in two places (free / tree / private)"
+        assert len(set(everything)) == len(
+            everything), "a KV page is in two places (free / tree / private)"
         assert len(everything) == self.pool.num_pages, (
-            f"pages leaked: {len(private)} private + {len(tree_pages)} in the tree + {len(self.free_pages)} free "
-            f"!= {self.pool.num_pages}")
+            f"pages leaked: {len(private)} private + {len(tree_pages)} in the tree + "
+            f"{len(self.free_pages)} free "
+            f"!= {self.pool.num_pages}"
+        )
         used_rows = self.page_table.max_rows - len(self.page_table.free_rows)
-        assert used_rows == len(self.req_pages), f"{used_rows} page-table rows used by {len(self.req_pages)} requests"
+        assert used_rows == len(
+            self.req_pages), f"{used_rows} page-table rows used by {len(self.req_pages)} requests"
         for req in running:
-            assert req.rid in self.req_pages and req.table_idx >= 0, f"running request {req.rid} holds no pages"
-            # Cached tokens must sit in owned pages; the next token gets its page when its batch is built.
-            assert len(self.req_pages[req.rid]) * self.page_size >= req.cached_len, f"request {req.rid} overflows"
+            assert (
+                req.rid in self.req_pages and req.table_idx >= 0
+            ), f"running request {req.rid} holds no pages"
+            # Cached tokens must sit in owned pages; the next token gets its page when its batch is
+            # built.
+            assert len(self.req_pages[
+                req.rid]) * self.page_size >= req.cached_len, f"request {req.rid} overflows"
         if self.tree is None:
             return
         expected: dict[int, int] = {}
         tree_page_set = set(tree_pages)
         for req in holders:
             shared = self.req_pages[req.rid][: self.req_shared[req.rid]]
-            assert set(shared) <= tree_page_set, f"request {req.rid}'s shared pages are not in the tree"
+            assert set(
+                shared) <= tree_page_set, f"request {req.rid}'s shared pages are not in the tree"
             node = req.last_node
-            assert self._pages_of(self._path_slots(node)) == shared, f"request {req.rid}: row != its locked path"
+            assert self._pages_of(
+                self._path_slots(node)) == shared, f"request {req.rid}: row != its locked path"
             while node is not self.tree.root_node:
                 expected[id(node)] = expected.get(id(node), 0) + 1
                 node = node.parent
         for node in self.tree.iter_nodes():
-            assert node.lock_ref == expected.get(id(node), 0), (
-                f"{node}: lock_ref {node.lock_ref}, but {expected.get(id(node), 0)} running requests use it")
+            assert node.lock_ref == expected.get(
+                id(node), 0
+            ), (
+                f"{node}: lock_ref {node.lock_ref}, but {expected.get(id(node), 0)} running "
+                "requests use it"
+            )
 
     def _path_slots(self, node) -> torch.Tensor:
         parts = []
@@ -214,4 +244,3 @@ class CacheManager:
             parts.append(node.value)
             node = node.parent
         return torch.cat(parts[::-1]) if parts else torch.empty(0, dtype=torch.int64)
-

@@ -1,13 +1,15 @@
-"""The decode manager: the running requests, one token each per decode pass, and preemption when pages run out.
+"""The decode manager: the running requests, one token each per decode pass, and preemption when
+pages run out.
 
-Before each decode pass every running request needs a KV slot for the token it feeds. When the pool is empty, the
-lowest-priority, most recently arrived request is preempted: its pages are released and it goes back to the
-waiting queue to be recomputed later (prompt + output so far, prefilled again) — slower for that request, but the
-engine never crashes and never loses a token it already produced.
+Before each decode pass every running request needs a KV slot for the token it feeds. When the pool
+is empty, the lowest-priority, most recently arrived request is preempted: its pages are released
+and it goes back to the waiting queue to be recomputed later (prompt + output so far, prefilled
+again) — slower for that request, but the engine never crashes and never loses a token it already
+produced.
 
-Stage 5 (overlap): a request whose last token is still being computed stays in `running` until the scheduler has
-read that token; `done_launching(req)` says it must not be fed again (its launched tokens already reach
-max_new_tokens or the context), so it is left out of the batch.
+Stage 5 (overlap): a request whose last token is still being computed stays in `running` until the
+scheduler has read that token; `done_launching(req)` says it must not be fed again (its launched
+tokens already reach max_new_tokens or the context), so it is left out of the batch.
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ class DecodeManager:
         return [r for r in self.running if done_launching is None or not done_launching(r)]
 
     def build(self, victim_order, done_launching=None) -> tuple[Batch | None, list[Req]]:
-        """-> (the decode batch or None, the requests preempted to make room). victim_order: sort key, first = evict."""
+        """-> (the decode batch or None, the requests preempted to make room). victim_order: sort
+        key, first = evict."""
         preempted: list[Req] = []
         while True:
-            short = [r for r in self.candidates(done_launching) if not self.cache.grow(r, r.device_len)]
+            short = [
+                r for r in self.candidates(done_launching) if not self.cache.grow(r, r.device_len)
+            ]
             if not short:
                 break
             # Not enough pages for everyone's next token: evict until what is left fits.

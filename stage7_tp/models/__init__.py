@@ -27,14 +27,17 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,  # Mistral 7B
 }
 
-__all__ = ["MODEL_REGISTRY", "ModelConfig", "RopeScaling", "UnsupportedModelError", "get_model_class",
-           "build_model", "check_tp_size", "replicated_bytes"]
+__all__ = [
+    "MODEL_REGISTRY", "ModelConfig", "RopeScaling", "UnsupportedModelError", "get_model_class",
+    "build_model", "check_tp_size", "replicated_bytes"
+]
 
 
 def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
     if architecture not in MODEL_REGISTRY:
-        raise UnsupportedModelError(f"architecture {architecture!r} is not supported; this stage runs: "
-                                    f"{', '.join(MODEL_REGISTRY)}")
+        raise UnsupportedModelError(
+            f"architecture {architecture!r} is not supported; this stage runs: "
+            f"{', '.join(MODEL_REGISTRY)}")
     return MODEL_REGISTRY[architecture]
 
 
@@ -48,10 +51,12 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, tp: TPInfo = SINGLE) -> nn.Module:
-    """An empty model, allocated directly on `device` in `dtype`: no float32 copy first, no random init (the
-    loader fills every parameter). Stage 2 built in float32 on the CPU and then cast: 2x the memory for bfloat16,
-    and a host-RAM copy of the whole model before a GPU ever saw it. Stage 7: only this rank's shard (`tp`)."""
+def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype,
+                tp: TPInfo = SINGLE) -> nn.Module:
+    """An empty model, allocated directly on `device` in `dtype`: no float32 copy first, no random
+    init (the loader fills every parameter). Stage 2 built in float32 on the CPU and then cast: 2x
+    the memory for bfloat16, and a host-RAM copy of the whole model before a GPU ever saw it. Stage
+    7: only this rank's shard (`tp`)."""
     model_cls = get_model_class(cfg.architecture)
     check_tp_size(cfg, tp.size)
     with torch.device(device), default_dtype(dtype):
@@ -61,16 +66,22 @@ def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype
 
 def check_tp_size(cfg: ModelConfig, tp_size: int) -> None:
     """Refuse a tp_size that does not split the model, naming the sizes that do."""
-    valid = [n for n in valid_tp_sizes(cfg.num_heads, cfg.num_kv_heads) if cfg.intermediate_size % n == 0]
+    valid = [
+        n for n in valid_tp_sizes(cfg.num_heads, cfg.num_kv_heads) if cfg.intermediate_size % n == 0
+    ]
     if tp_size not in valid:
-        raise ValueError(f"tp_size {tp_size} cannot split {cfg.architecture} ({cfg.num_heads} query heads, "
-                         f"{cfg.num_kv_heads} KV heads, intermediate size {cfg.intermediate_size}); valid tp sizes: "
-                         f"{', '.join(map(str, valid))}")
+        raise ValueError(
+            f"tp_size {tp_size} cannot split {cfg.architecture} ({cfg.num_heads} query heads, "
+            f"{cfg.num_kv_heads} KV heads, intermediate size {cfg.intermediate_size}); valid tp "
+            "sizes: "
+            f"{', '.join(map(str, valid))}"
+        )
 
 
 def replicated_bytes(model) -> int:
-    """Weight bytes of this rank that tensor parallelism does not split: RMSNorm gains, the biases added after an
-    all-reduce, and the K/V rows of a KV head held by several ranks (more ranks than KV heads)."""
+    """Weight bytes of this rank that tensor parallelism does not split: RMSNorm gains, the biases
+    added after an all-reduce, and the K/V rows of a KV head held by several ranks (more ranks than
+    KV heads)."""
     total = 0
     for module in model.modules():
         if isinstance(module, RMSNorm):

@@ -1,24 +1,26 @@
-"""The decoder every family of this stage shares. Qwen2, Qwen3 and Mistral are this code with a flag or two
-(models/qwen2.py, qwen3.py, mistral.py). Read it top to bottom: attention, MLP, one layer, the stack, the head.
+"""The decoder every family of this stage shares. Qwen2, Qwen3 and Mistral are this code with a flag
+or two (models/qwen2.py, qwen3.py, mistral.py). Read it top to bottom: attention, MLP, one layer,
+the stack, the head.
 
     LlamaForCausalLM
       model: LlamaModel
         embed_tokens                       [vocab, hidden]
         layers[i]: LlamaDecoderLayer
           input_layernorm                  RMSNorm
-          self_attn: LlamaAttention        qkv_proj (merged), q_norm/k_norm (Qwen3), rotary_emb, o_proj
+          self_attn: LlamaAttention        qkv_proj (merged), q_norm/k_norm (Qwen3), rotary_emb,
+                                           o_proj
           post_attention_layernorm         RMSNorm
           mlp: LlamaMLP                    gate_up_proj (merged), down_proj
         norm                               RMSNorm
       lm_head                              [vocab, hidden], or embed_tokens itself when tied
 
-Parameter names are the checkpoint's ("model.layers.0.self_attn.o_proj.weight"), except the two merged layers,
-which `stacked_params_mapping` describes to the loader (weights.py).
+Parameter names are the checkpoint's ("model.layers.0.self_attn.o_proj.weight"), except the two
+merged layers, which `stacked_params_mapping` describes to the loader (weights.py).
 
-Stage 7: with tensor parallelism (`tp`, layers.py) each rank holds H/tp query heads (and their KV heads), a slice
-of the MLP's intermediate size and of the vocabulary; the code below is the same on every rank, and the shapes in
-the comments are this rank's. Two all-reduces per layer (after o_proj and after down_proj) make every rank's
-residual stream [N, hidden] whole again.
+Stage 7: with tensor parallelism (`tp`, layers.py) each rank holds H/tp query heads (and their KV
+heads), a slice of the MLP's intermediate size and of the vocabulary; the code below is the same on
+every rank, and the shapes in the comments are this rank's. Two all-reduces per layer (after o_proj
+and after down_proj) make every rank's residual stream [N, hidden] whole again.
 """
 
 from __future__ import annotations
@@ -29,25 +31,25 @@ from torch import nn
 
 from ..attention import ForwardBatch
 from ..distributed import SINGLE, TPInfo
-from ..layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding,
-                      RowParallelLinear, VocabParallelEmbedding)
+from ..layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
+                      RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
 from .config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query self-attention: one merged q/k/v matmul, RoPE, then the attention backend (which also writes
-    this pass's K/V into the cache)."""
+    """Grouped-query self-attention: one merged q/k/v matmul, RoPE, then the attention backend
+    (which also writes this pass's K/V into the cache)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPInfo = SINGLE):
         super().__init__()
         self.layer_id = layer_id
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                          bias=cfg.qkv_bias, tp=tp)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                                          cfg.head_dim, bias=cfg.qkv_bias, tp=tp)
         # this rank's heads: H / tp query heads and the KV heads they read
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
-        # Qwen3 normalises each head of q and k (RMSNorm over D, one weight shared by all heads) before RoPE:
-        # it keeps attention logits from growing without bound.
+        # Qwen3 normalises each head of q and k (RMSNorm over D, one weight shared by all heads)
+        # before RoPE: it keeps attention logits from growing without bound.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -62,12 +64,14 @@ class LlamaAttention(nn.Module):
         v = v.view(N, self.num_kv_heads, self.head_dim)  # [N, KVH, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # per head: the mean is over D only
-        q, k = self.rotary_emb(positions, q, k)  # positions are per request, so RoPE needs nothing else
+        # positions are per request, so RoPE needs nothing else
+        q, k = self.rotary_emb(positions, q, k)
 
-        # The backend stores K/V in the cache and attends: varlen over the prompts (prefill), or one query per
-        # request against its cache row (decode).
+        # The backend stores K/V in the cache and attends: varlen over the prompts (prefill), or one
+        # query per request against its cache row (decode).
         out = fb.attn_backend.forward(q, k, v, self.layer_id, fb)  # [N, H, D]
-        return self.o_proj(out.reshape(N, self.num_heads * self.head_dim))  # [N, hidden], all-reduced
+        # [N, hidden], all-reduced
+        return self.o_proj(out.reshape(N, self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
@@ -76,8 +80,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPInfo = SINGLE):
         super().__init__()
         inter = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, {0: inter, 1: inter}, bias=cfg.mlp_bias,
-                                                       tp=tp)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, {0: inter, 1: inter},
+                                                       bias=cfg.mlp_bias, tp=tp)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +112,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                fb: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [N, hidden]
         for layer in self.layers:
             x = layer(x, positions, fb)  # [N, hidden]
@@ -116,7 +121,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # Checkpoint tensor name fragment -> (our merged parameter's fragment, shard_id), as in SGLang's load_weights.
+    # Checkpoint tensor name fragment -> (our merged parameter's fragment, shard_id), as in SGLang's
+    # load_weights.
     stacked_params_mapping = [
         # (param_name, checkpoint_name, shard_id)
         (".qkv_proj", ".q_proj", "q"),
@@ -125,7 +131,8 @@ class LlamaForCausalLM(nn.Module):
         (".gate_up_proj", ".gate_proj", 0),
         (".gate_up_proj", ".up_proj", 1),
     ]
-    # Tensors some checkpoints carry that the model recomputes itself (old Llama exports saved RoPE's inv_freq).
+    # Tensors some checkpoints carry that the model recomputes itself (old Llama exports saved
+    # RoPE's inv_freq).
     ignored_checkpoint_suffixes = ("rotary_emb.inv_freq",)
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo = SINGLE):
@@ -133,16 +140,21 @@ class LlamaForCausalLM(nn.Module):
         self.config, self.tp = cfg, tp
         self.model = LlamaModel(cfg, tp)
         if cfg.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens  # one [vocab, hidden] matrix used both ways, stored once
+            # one [vocab, hidden] matrix used both ways, stored once
+            self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """input_ids, positions: [N] packed tokens of B requests -> logits [B, vocab] of each one's last token."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                fb: ForwardBatch) -> torch.Tensor:
+        """input_ids, positions: [N] packed tokens of B requests -> logits [B, vocab] of each one's
+        last token."""
         x = self.model(input_ids, positions, fb)  # [N, hidden]
-        # Only each request's last token predicts its next token: gather B rows before the big LM-head matmul.
+        # Only each request's last token predicts its next token: gather B rows before the big
+        # LM-head matmul.
         x = self.model.norm(x[fb.last_token_indices])  # [B, hidden]
-        # Sampling reads float32 logits whatever the weights' dtype (as transformers' generate does): a bfloat16
-        # logit has 8 bits of mantissa, too few to tell close candidates apart in a softmax.
-        return self.lm_head.logits(x).float()  # [B, vocab]: each rank's share of the vocabulary, all-gathered
+        # Sampling reads float32 logits whatever the weights' dtype (as transformers' generate
+        # does): a bfloat16 logit has 8 bits of mantissa, too few to tell close candidates apart in
+        # a softmax. [B, vocab]: each rank's share of the vocabulary, all-gathered
+        return self.lm_head.logits(x).float()

@@ -1,21 +1,25 @@
-"""The device side of the overlap scheduler: something that runs step N while the CPU prepares step N+1.
+"""The device side of the overlap scheduler: something that runs step N while the CPU prepares step
+N+1.
 
     main thread (CPU)                       device worker
     build batch N+1, prepare tensors   |    forward N + sample N  (tokens stay on the device)
     read step N-1's tokens, stop        |
     checks, detokenize                  |
 
-`DeviceWorker.submit(fn)` runs `fn` (forward + sample of one step) on a single worker thread, in submission order,
-and returns a `Pending` whose `wait()` gives the step's host-side token ids.
+`DeviceWorker.submit(fn)` runs `fn` (forward + sample of one step) on a single worker thread, in
+submission order, and returns a `Pending` whose `wait()` gives the step's host-side token ids.
 
-- On CUDA, the worker launches onto its own *forward stream* (after waiting for the inputs the main thread copied
-  on its stream), copies the tokens to pinned host memory without blocking, and records an event: the thread is
-  free again as soon as the kernels are queued, and `wait()` blocks on the event only. The GPU queue never runs dry.
-- On a CPU there is no asynchronous device: torch runs each op before returning. The worker thread *is* the device
-  here: torch's kernels release the GIL, so the main thread's Python (scheduling, detokenizing) runs while the
-  worker computes. It can only hide CPU work behind CPU work, on cores the matmuls would otherwise use: see the
-  stage README for what that buys (and costs) on a small machine.
-- With overlap disabled, `submit` runs `fn` at once in the caller's thread: the same loop, nothing hidden.
+- On CUDA, the worker launches onto its own *forward stream* (after waiting for the inputs the main
+  thread copied on its stream), copies the tokens to pinned host memory without blocking, and
+  records an event: the thread is free again as soon as the kernels are queued, and `wait()` blocks
+  on the event only. The GPU queue never runs dry.
+- On a CPU there is no asynchronous device: torch runs each op before returning. The worker thread
+  *is* the device here: torch's kernels release the GIL, so the main thread's Python (scheduling,
+  detokenizing) runs while the worker computes. It can only hide CPU work behind CPU work, on cores
+  the matmuls would otherwise use: see the stage README for what that buys (and costs) on a small
+  machine.
+- With overlap disabled, `submit` runs `fn` at once in the caller's thread: the same loop, nothing
+  hidden.
 """
 
 from __future__ import annotations
@@ -29,14 +33,17 @@ import torch
 
 @dataclass
 class StepTiming:
-    """When each part of one step happened (perf_counter seconds), for the timeline plot and utilisation."""
+    """When each part of one step happened (perf_counter seconds), for the timeline plot and
+    utilisation."""
 
     step: int
     phase: str
     batch_size: int
     schedule: tuple[float, float]  # CPU: build the batch + prepare its tensors + launch
-    device: tuple[float, float] = (0.0, 0.0)  # forward + sample (on CUDA: from events, on the host's clock)
-    process: tuple[float, float] = (0.0, 0.0)  # CPU: read tokens, stop checks, detokenize, free pages
+    # forward + sample (on CUDA: from events, on the host's clock)
+    device: tuple[float, float] = (0.0, 0.0)
+    # CPU: read tokens, stop checks, detokenize, free pages
+    process: tuple[float, float] = (0.0, 0.0)
 
     @property
     def cpu_seconds(self) -> float:
@@ -48,7 +55,8 @@ class StepTiming:
 
 
 class DeviceClock:
-    """Maps CUDA events onto perf_counter: one reference event recorded and synchronised at a known host time."""
+    """Maps CUDA events onto perf_counter: one reference event recorded and synchronised at a known
+    host time."""
 
     def __init__(self, device: torch.device):
         self.ref = torch.cuda.Event(enable_timing=True)
@@ -67,14 +75,16 @@ class Pending:
     future: Future | None = None  # the worker's job (None: ran synchronously, `value` is set)
     value: object = None
     timing: StepTiming | None = None
-    keep_alive: list = field(default_factory=list)  # inputs the device may still read (CUDA allocator safety)
+    # inputs the device may still read (CUDA allocator safety)
+    keep_alive: list = field(default_factory=list)
 
     def wait(self):
         if self.future is not None:
             self.value, self.future = self.future.result(), None
         tokens, done_event, events = self.value
         if done_event is not None:
-            done_event.synchronize()  # the device finished this step and its tokens reached host memory
+            # the device finished this step and its tokens reached host memory
+            done_event.synchronize()
             tokens = tokens.tolist()
         return tokens, events
 
@@ -88,9 +98,11 @@ class DeviceWorker:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="device") if overlap else None
 
     def submit(self, fn) -> Pending:
-        """fn() -> tokens tensor [S] on the device. Returns at once with overlap; after fn ran without."""
+        """fn() -> tokens tensor [S] on the device. Returns at once with overlap; after fn ran
+        without."""
         ready = None
-        if self.cuda:  # the inputs were copied on the main thread's stream: the forward stream must wait for them
+        # the inputs were copied on the main thread's stream: the forward stream must wait for them
+        if self.cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
         job = lambda: self._run(fn, ready)  # noqa: E731
@@ -101,7 +113,8 @@ class DeviceWorker:
     def _run(self, fn, ready):
         if not self.cuda:
             t0 = time.perf_counter()
-            tokens = fn().tolist()  # a CPU "device" is synchronous: the step is done when fn returns
+            # a CPU "device" is synchronous: the step is done when fn returns
+            tokens = fn().tolist()
             return tokens, None, (t0, time.perf_counter())
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
@@ -109,7 +122,8 @@ class DeviceWorker:
             start.record(self.stream)
             tokens = fn()  # [S] on the device
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)  # lands when the stream gets there; wait() syncs on `end`
+            # lands when the stream gets there; wait() syncs on `end`
+            host.copy_(tokens, non_blocking=True)
             end.record(self.stream)
         return host, end, (start, end)
 

@@ -1,4 +1,5 @@
-"""The scheduler loop: one `step()` = pick a batch, run one forward pass, sample, update every request.
+"""The scheduler loop: one `step()` = pick a batch, run one forward pass, sample, update every
+request.
 
     add_request(req)   -> waiting queue
     step():
@@ -7,38 +8,43 @@
         engine.forward(batch) -> logits [B, vocab]
         sample; append tokens; detokenize; stop checks; finished requests release their pages
 
-Continuous batching is simply this loop: requests join at any step through a prefill, and leave the decode batch
-the step they finish, instead of a batch living and dying together (stage 2).
+Continuous batching is simply this loop: requests join at any step through a prefill, and leave the
+decode batch the step they finish, instead of a batch living and dying together (stage 2).
 
-How much to admit is a bet on the future: a running request may generate up to max_new_tokens more tokens, but
-most stop early. SGLang's `new_token_ratio` is that bet: admission expects each running request to need this share
-of its remaining budget. It starts at `init_new_token_ratio` (0.7 x schedule_conservativeness), falls a little each
-decode step that needed no preemption (down to min_new_token_ratio), and after a preemption is set to what the
-surviving requests really used so far, so admission becomes careful again exactly when it was too bold.
+How much to admit is a bet on the future: a running request may generate up to max_new_tokens more
+tokens, but most stop early. SGLang's `new_token_ratio` is that bet: admission expects each running
+request to need this share of its remaining budget. It starts at `init_new_token_ratio` (0.7 x
+schedule_conservativeness), falls a little each decode step that needed no preemption (down to
+min_new_token_ratio), and after a preemption is set to what the surviving requests really used so
+far, so admission becomes careful again exactly when it was too bold.
 
-Stage 6, the prefix cache: admission looks each prompt up in the radix tree (PrefillAdder); each prefilled prompt,
-and each chunk of one, goes into the tree at once (CacheManager.cache_unfinished); a request that ends puts the
-rest of its pages there (CacheManager.release). The waiting queue is ordered cache-aware within a priority level
-(`schedule_policy="lpm"`, longest prefix match first: requests that share a cached prefix run while it is cached),
-or first come first served (`"fcfs"`). Ordering costs a tree walk per waiting request, so it is done only in a step
-that can build a prefill (a page-table row is free, and no request is still waiting for pages since the last ones
+Stage 6, the prefix cache: admission looks each prompt up in the radix tree (PrefillAdder); each
+prefilled prompt, and each chunk of one, goes into the tree at once (CacheManager.cache_unfinished);
+a request that ends puts the rest of its pages there (CacheManager.release). The waiting queue is
+ordered cache-aware within a priority level (`schedule_policy="lpm"`, longest prefix match first:
+requests that share a cached prefix run while it is cached), or first come first served (`"fcfs"`).
+Ordering costs a tree walk per waiting request, so it is done only in a step that can build a
+prefill (a page-table row is free, and no request is still waiting for pages since the last ones
 were given back: SGLang's `batch_is_full`).
 
-Stage 5, overlap scheduling ("zero-overhead" scheduler): each step *launches* batch N and then processes the
-results of batch N-1 while N runs, so the device never waits for the CPU's bookkeeping.
+Stage 5, overlap scheduling ("zero-overhead" scheduler): each step *launches* batch N and then
+processes the results of batch N-1 while N runs, so the device never waits for the CPU's
+bookkeeping.
 
     step():
-        build batch N (host state was advanced when N-1 launched: positions and KV slots are known, the token
-                       N-1 sampled is not -> its input id is a placeholder -(row + 1), resolved on the device from
-                       engine.future_tokens, where N-1's sampler left it)
-        launch N on the device worker
-        process N-1: read its tokens, fill in the placeholders, stop checks, detokenize, free finished requests
+        build batch N (host state was advanced when N-1 launched: positions and KV slots are known,
+        the token
+                       N-1 sampled is not -> its input id is a placeholder -(row + 1), resolved on
+                       the device from engine.future_tokens, where N-1's sampler left it)
+        launch N on the device worker process N-1: read its tokens, fill in the placeholders, stop
+        checks, detokenize, free finished requests
 
-A request that N-1 finished (EOS, stop string: unknowable before its token is read) is usually in batch N already:
-its extra token is dropped, and its pages are released only once N completed (no page is reused while a launched
-batch may still write to it). Finishing by max_new_tokens is known at launch, so such a request is not fed again.
-Two cases need the real tokens before building, and drain the pipeline first (process N-1, then build): penalties
-(they read every previous token on the host) and a decode step that must preempt (recompute needs the tokens).
+A request that N-1 finished (EOS, stop string: unknowable before its token is read) is usually in
+batch N already: its extra token is dropped, and its pages are released only once N completed (no
+page is reused while a launched batch may still write to it). Finishing by max_new_tokens is known
+at launch, so such a request is not fed again. Two cases need the real tokens before building, and
+drain the pipeline first (process N-1, then build): penalties (they read every previous token on the
+host) and a decode step that must preempt (recompute needs the tokens).
 """
 
 from __future__ import annotations
@@ -68,7 +74,8 @@ MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 RETRACT_DECODE_STEPS = 20  # after a preemption, assume each survivor decodes this many more tokens
 SCHEDULE_POLICIES = ("lpm", "fcfs")
-LPM_MAX_QUEUE = 128  # longer waiting queues are ordered FCFS: matching each request every step would cost too much
+# longer waiting queues are ordered FCFS: matching each request every step would cost too much
+LPM_MAX_QUEUE = 128
 
 
 @dataclass
@@ -94,7 +101,8 @@ class StepStats:
     used_pages: int
     num_preempted: int
     seconds: float
-    cache_hit_rate: float = 0.0  # stage 6: prompt tokens served from the tree / prompt tokens admitted, so far
+    # stage 6: prompt tokens served from the tree / prompt tokens admitted, so far
+    cache_hit_rate: float = 0.0
     tree_tokens: int = 0  # stage 6: tokens held by the radix tree
 
 
@@ -103,18 +111,25 @@ class Scheduler:
     engine: Engine
     tokenizer: object = None  # for text deltas and stop strings; None: token ids only
     max_prefill_tokens: int = 16384  # a prefill batch grows past this only with its first request
-    chunked_prefill_size: int = 512  # prefill tokens per batch; the request crossing it is cut (-1: never cut)
-    schedule_conservativeness: float = 1.0  # scales init_new_token_ratio: higher admits fewer requests
-    priority_aging_steps: int = 64  # every this many steps waiting, a request's priority rises by one
+    # prefill tokens per batch; the request crossing it is cut (-1: never cut)
+    chunked_prefill_size: int = 512
+    # scales init_new_token_ratio: higher admits fewer requests
+    schedule_conservativeness: float = 1.0
+    # every this many steps waiting, a request's priority rises by one
+    priority_aging_steps: int = 64
     log_interval: int = 0  # log throughput every N decode steps (0: never)
     record_stats: bool = False
-    # Process step N-1's results while step N runs (False: stage 4's synchronous loop). None: on CUDA only: on a CPU
-    # the forward would run on a second thread, and two threads running torch's kernels slow both (README, Figures).
+    # Process step N-1's results while step N runs (False: stage 4's synchronous loop). None: on
+    # CUDA only: on a CPU the forward would run on a second thread, and two threads running torch's
+    # kernels slow both (README, Figures).
     overlap: bool | None = None
     disable_radix_cache: bool = False  # True: no prefix cache, stage 5's behaviour
-    schedule_policy: str = "lpm"  # waiting-queue order within a priority level: "lpm" (longest prefix match), "fcfs"
-    stream_text: bool = True  # False: no text deltas (tensor-parallel ranks 1+); stop strings are still checked
-    # Stage 7: called after each step with (step, (batch shape, sampled tokens)) to compare them across ranks
+    # waiting-queue order within a priority level: "lpm" (longest prefix match), "fcfs"
+    schedule_policy: str = "lpm"
+    # False: no text deltas (tensor-parallel ranks 1+); stop strings are still checked
+    stream_text: bool = True
+    # Stage 7: called after each step with (step, (batch shape, sampled tokens)) to compare them
+    # across ranks
     tp_sync_check: Callable | None = None
     waiting: list[Req] = field(default_factory=list)
     stats: list[StepStats] = field(default_factory=list)
@@ -122,15 +137,19 @@ class Scheduler:
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+            raise ValueError(
+                f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         tree = None if self.disable_radix_cache else RadixCache(self.engine.kv_pool.page_size)
         self.cache = CacheManager(self.engine.kv_pool, self.engine.page_table, tree)
-        self.prefill_adder = PrefillAdder(self.cache, self.max_prefill_tokens, self.chunked_prefill_size)
+        self.prefill_adder = PrefillAdder(self.cache, self.max_prefill_tokens,
+                                          self.chunked_prefill_size)
         if self.schedule_conservativeness < 0:
-            raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
+            raise ValueError(
+                f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * self.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
-        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio_decay = (self.init_new_token_ratio -
+                                      self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_new_token_ratio
         self.decoder = DecodeManager(self.cache)
         self.chunked: Req | None = None  # the request whose prompt is being prefilled in chunks
@@ -144,23 +163,30 @@ class Scheduler:
         if self.overlap is None:
             self.overlap = self.engine.device.type == "cuda"
         self.worker = DeviceWorker(self.engine.device, self.overlap)
-        self.inflight: list[tuple[Batch, list[tuple[Req, int]], Pending]] = []  # launched, results not yet read
-        self.deferred: list[Req] = []  # finished, but still in a launched batch: pages released after it
-        self.ready_outputs: list[StepOutput] = []  # results read early by a drain, returned by this step
-        self.admitted_tokens = self.cached_tokens = 0  # prompt tokens of every admission, and those from the tree
-        self.batch_is_full = False  # a waiting request did not fit: no prefill until some request frees pages
+        # launched, results not yet read
+        self.inflight: list[tuple[Batch, list[tuple[Req, int]], Pending]] = []
+        # finished, but still in a launched batch: pages released after it
+        self.deferred: list[Req] = []
+        # results read early by a drain, returned by this step
+        self.ready_outputs: list[StepOutput] = []
+        # prompt tokens of every admission, and those from the tree
+        self.admitted_tokens = self.cached_tokens = 0
+        # a waiting request did not fit: no prefill until some request frees pages
+        self.batch_is_full = False
 
     # ---------------------------------------------------------------- requests in and out
     def check_request(self, req: Req) -> None:
-        """Raise ValueError, naming the problem, if add_request would refuse the request; changes nothing."""
+        """Raise ValueError, naming the problem, if add_request would refuse the request; changes
+        nothing."""
         params = req.sampling_params
         params.validate()
         self.engine.check_prompt_fits(len(req.input_ids))
         pool_tokens = self.cache.pool.num_pages * self.cache.page_size
         if min(req.max_device_len, self.engine.max_context_len) > pool_tokens:
-            raise ValueError(f"request needs up to {req.max_device_len} tokens of KV cache (prompt + "
-                             f"max_new_tokens) but the whole pool holds {pool_tokens}; shorten the prompt or "
-                             "max_new_tokens")
+            raise ValueError(
+                f"request needs up to {req.max_device_len} tokens of KV cache (prompt + "
+                f"max_new_tokens) but the whole pool holds {pool_tokens}; shorten the prompt or "
+                "max_new_tokens")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
 
@@ -180,7 +206,8 @@ class Scheduler:
     def abort(self, rid: int) -> None:
         req = self.reqs.get(rid)
         if req is not None and self._launched(req):
-            self.drain()  # read its launched tokens first: no placeholder stays in its output, its pages free now
+            # read its launched tokens first: no placeholder stays in its output, its pages free now
+            self.drain()
             req = self.reqs.get(rid)  # None if those tokens finished it anyway
         if req is not None:
             self._finish(req, "abort")
@@ -194,13 +221,18 @@ class Scheduler:
         return bool(self.reqs)
 
     def check_integrity(self) -> None:
-        """The pool's books balance (free / tree / private), and exactly the running requests (plus a chunked
-        prompt and finished requests still in flight) hold pages and tree locks."""
+        """The pool's books balance (free / tree / private), and exactly the running requests (plus
+        a chunked prompt and finished requests still in flight) hold pages and tree locks."""
         holders = self.decoder.running + self.deferred + ([self.chunked] if self.chunked else [])
         self.cache.check_integrity(self.decoder.running, holders)
-        assert set(self.cache.req_pages) == {r.rid for r in holders}, (
-            f"pages held by {sorted(self.cache.req_pages)} but running/chunked are {sorted(r.rid for r in holders)}")
-        assert not any(r.table_idx >= 0 for r in self.waiting), "a waiting request still holds a page-table row"
+        assert set(self.cache.req_pages) == {
+            r.rid for r in holders
+        }, (
+            f"pages held by {sorted(self.cache.req_pages)} but running/chunked are "
+            f"{sorted(r.rid for r in holders)}"
+        )
+        assert not any(r.table_idx >= 0
+                       for r in self.waiting), "a waiting request still holds a page-table row"
 
     # ---------------------------------------------------------------- one step
     def effective_priority(self, req: Req) -> int:
@@ -217,34 +249,40 @@ class Scheduler:
             if self.tp_sync_check is not None:
                 shape = (batch.phase, [(r.rid, r.cached_len, r.extend_len) for r in batch.reqs])
             self.launch(batch, start)
-        # With overlap, leave the step just launched running and read the one before; without, read it now.
+        # With overlap, leave the step just launched running and read the one before; without, read
+        # it now.
         while len(self.inflight) > (1 if self.overlap and batch is not None else 0):
             self.ready_outputs += self.process(*self.inflight.pop(0))
         if self.inflight and not self.reqs:
-            self.drain()  # only finished requests are still launched: nothing to overlap, free their pages now
+            # only finished requests are still launched: nothing to overlap, free their pages now
+            self.drain()
         outputs, self.ready_outputs = self.ready_outputs, []
         if batch is not None:
             if self.record_stats:
-                self.stats.append(StepStats(self.step_count, batch.phase, batch.size, len(batch.out_cache_loc),
-                                            len(self.decoder.running), len(self.waiting),
-                                            self.cache.num_used_pages, len(preempted), time.perf_counter() - start,
-                                            self.cache_hit_rate, self.tree_tokens))
+                self.stats.append(
+                    StepStats(self.step_count, batch.phase, batch.size, len(batch.out_cache_loc),
+                              len(self.decoder.running), len(self.waiting),
+                              self.cache.num_used_pages, len(preempted),
+                              time.perf_counter() - start, self.cache_hit_rate, self.tree_tokens))
             self._maybe_log(batch, len(outputs))
         if self.tp_sync_check is not None:
-            self.tp_sync_check(self.step_count, (shape, [(o.rid, o.new_token_ids) for o in outputs]))
+            self.tp_sync_check(self.step_count,
+                               (shape, [(o.rid, o.new_token_ids) for o in outputs]))
         return outputs
 
     def schedule(self) -> tuple[Batch | None, list[Req]]:
-        """Stage 4's choice of the next batch; with overlap, on host state that already counts launched steps."""
+        """Stage 4's choice of the next batch; with overlap, on host state that already counts
+        launched steps."""
         batch, preempted = None, []
-        # Prefill first (new requests join the decode batch sooner), except that a prompt being prefilled in
-        # chunks alternates with decode steps: that is what chunking is for.
+        # Prefill first (new requests join the decode batch sooner), except that a prompt being
+        # prefilled in chunks alternates with decode steps: that is what chunking is for.
         if self.prefill_possible():
             cache_aware = self.sort_waiting()
-            batch, admitted = self.prefill_adder.build(self.chunked, self.waiting, self.decoder.running,
-                                                       self.new_token_ratio, self.engine.max_context_len,
-                                                       cache_aware)
-            # SGLang's batch_is_full: a request the pool cannot hold now waits until some request gives pages back
+            batch, admitted = self.prefill_adder.build(self.chunked, self.waiting,
+                                                       self.decoder.running, self.new_token_ratio,
+                                                       self.engine.max_context_len, cache_aware)
+            # SGLang's batch_is_full: a request the pool cannot hold now waits until some request
+            # gives pages back
             self.batch_is_full = self.prefill_adder.out_of_pages
             if batch is not None:
                 self.waiting = [r for r in self.waiting if r not in admitted]
@@ -255,9 +293,10 @@ class Scheduler:
             missing = sum(self.cache.pages_missing(r, r.device_len)
                           for r in self.decoder.candidates(self.done_launching))
             if missing > self.cache.num_available_pages:
-                self.drain()  # preemption resets a request to its host tokens: read the launched ones first
-        batch, preempted = self.decoder.build(lambda r: (self.effective_priority(r), -r.arrival, -r.rid),
-                                              self.done_launching)
+                # preemption resets a request to its host tokens: read the launched ones first
+                self.drain()
+        batch, preempted = self.decoder.build(
+            lambda r: (self.effective_priority(r), -r.arrival, -r.rid), self.done_launching)
         self.waiting.extend(preempted)
         self.batch_is_full = self.batch_is_full and not preempted  # their pages are free again
         self.total_preemptions += len(preempted)
@@ -265,20 +304,24 @@ class Scheduler:
         return batch, preempted
 
     def prefill_possible(self) -> bool:
-        """Can this step build a prefill batch at all? Asked before the waiting queue is ordered, because ordering
-        it costs a tree walk per request (tens of milliseconds a step for a hundred long waiting prompts), wasted
-        whenever the answer is no; SGLang's get_new_batch_prefill returns early the same way before calc_priority."""
-        if self.chunked is not None:  # a prompt prefilled in chunks continues, alternating with decode steps
+        """Can this step build a prefill batch at all? Asked before the waiting queue is ordered,
+        because ordering it costs a tree walk per request (tens of milliseconds a step for a hundred
+        long waiting prompts), wasted whenever the answer is no; SGLang's get_new_batch_prefill
+        returns early the same way before calc_priority."""
+        # a prompt prefilled in chunks continues, alternating with decode steps
+        if self.chunked is not None:
             return not (self.last_phase == "prefill" and self.decoder.running)
         return bool(self.waiting) and self.cache.can_run() and not self.batch_is_full
 
     def sort_waiting(self) -> bool:
-        """Priority (with ageing) first; within a level, longest cached prefix first ("lpm") or arrival order.
-        Matching every waiting request costs a tree walk each, so, as SGLang does, a long queue falls back to FCFS.
-        -> whether the order was cache-aware."""
-        lpm = self.schedule_policy == "lpm" and self.cache.tree is not None and len(self.waiting) <= LPM_MAX_QUEUE
+        """Priority (with ageing) first; within a level, longest cached prefix first ("lpm") or
+        arrival order. Matching every waiting request costs a tree walk each, so, as SGLang does, a
+        long queue falls back to FCFS. -> whether the order was cache-aware."""
+        lpm = self.schedule_policy == "lpm" and self.cache.tree is not None and len(
+            self.waiting) <= LPM_MAX_QUEUE
         matched = {r.rid: self.cache.match_prefix(r) if lpm else 0 for r in self.waiting}
-        self.waiting.sort(key=lambda r: (-self.effective_priority(r), -matched[r.rid], r.arrival, r.rid))
+        self.waiting.sort(
+            key=lambda r: (-self.effective_priority(r), -matched[r.rid], r.arrival, r.rid))
         return lpm
 
     @property
@@ -301,8 +344,9 @@ class Scheduler:
                 or req.device_len >= self.engine.max_context_len)
 
     def update_new_token_ratio(self, preempted: list[Req]) -> None:
-        """After a decode batch was built: decay the estimate, or, if it had to preempt, reset it to what the
-        requests still running have really generated (SGLang's retract estimate) so admission backs off."""
+        """After a decode batch was built: decay the estimate, or, if it had to preempt, reset it to
+        what the requests still running have really generated (SGLang's retract estimate) so
+        admission backs off."""
         running = self.decoder.running
         if not running:
             self.new_token_ratio = self.init_new_token_ratio
@@ -311,17 +355,21 @@ class Scheduler:
             budget = sum(r.sampling_params.max_new_tokens for r in running)
             self.new_token_ratio = min(1.0, max(decoded / budget, self.new_token_ratio))
         else:
-            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay,
+                                       self.min_new_token_ratio)
 
     def launch(self, batch: Batch, start: float) -> None:
-        """Prepare the batch's tensors, advance every request as if its step were done, and submit the step."""
-        fb = self.engine.prepare(batch)  # reads the placeholders of the step before, if it is still running
+        """Prepare the batch's tensors, advance every request as if its step were done, and submit
+        the step."""
+        # reads the placeholders of the step before, if it is still running
+        fb = self.engine.prepare(batch)
         self.last_phase = batch.phase
         if batch.phase == "prefill":
             self.chunked = None  # set again below if this batch cut a prompt
         sample_rows, sampled = [], []  # sampled: (request, index of its new token in output_ids)
         for i, req in enumerate(batch.reqs):
-            if req.device_len < len(req.all_ids):  # a non-final prefill chunk: nothing to sample yet
+            # a non-final prefill chunk: nothing to sample yet
+            if req.device_len < len(req.all_ids):
                 req.complete_chunk()
                 self.cache.cache_unfinished(req)  # stage 6: the chunk's pages join the tree at once
                 self.chunked = req
@@ -330,16 +378,18 @@ class Scheduler:
                 self.decoder.add(req)  # prompt done: from now on it decodes
             req.complete_one(-(req.table_idx + 1))  # placeholder: "the token this row samples now"
             if batch.phase == "prefill":
-                # Stage 6: the prompt's pages join the tree now, not when the request ends, so requests with the
-                # same prefix that arrive while it decodes reuse them. Safe before the batch has run: whoever
-                # reads them is in a later batch, which the device runs after this one.
+                # Stage 6: the prompt's pages join the tree now, not when the request ends, so
+                # requests with the same prefix that arrive while it decodes reuse them. Safe before
+                # the batch has run: whoever reads them is in a later batch, which the device runs
+                # after this one.
                 self.cache.cache_unfinished(req)
             sample_rows.append(i)
             sampled.append((req, len(req.output_ids) - 1))
         reqs = [r for r, _ in sampled]
         gens = [self.generators.get(r.rid) for r in reqs]
         engine = self.engine
-        rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.long, device=engine.device)  # [S]
+        # [S]
+        rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.long, device=engine.device)
         sel = torch.tensor(sample_rows, dtype=torch.long, device=engine.device)  # [S]
 
         def device_step() -> torch.Tensor:  # runs on the device worker
@@ -351,42 +401,51 @@ class Scheduler:
             return tokens
 
         timing = StepTiming(self.step_count, batch.phase, batch.size, (start, time.perf_counter()))
-        # Alive until the step is read back: on CUDA the forward stream reads them after this thread drops them.
-        # fb.input_ids is listed on its own because engine.run replaces it with the resolved ids.
+        # Alive until the step is read back: on CUDA the forward stream reads them after this thread
+        # drops them. fb.input_ids is listed on its own because engine.run replaces it with the
+        # resolved ids.
         keep_alive = [fb, fb.input_ids, rows, sel]
-        pending = self.worker.submit(device_step)  # without overlap, this runs the step before returning
+        # without overlap, this runs the step before returning
+        pending = self.worker.submit(device_step)
         pending.timing, pending.keep_alive = timing, keep_alive
         self.inflight.append((batch, sampled, pending))
 
     def shutdown(self) -> None:
-        """Read back what is still in flight, then stop the device worker (LLM.close), even if that step failed."""
+        """Read back what is still in flight, then stop the device worker (LLM.close), even if that
+        step failed."""
         try:
             self.drain()
         finally:
             self.worker.shutdown()
 
     def drain(self) -> None:
-        """Read every launched step now (the pipeline empties; its outputs go out with this step's)."""
+        """Read every launched step now (the pipeline empties; its outputs go out with this
+        step's)."""
         while self.inflight:
             self.ready_outputs += self.process(*self.inflight.pop(0))
 
-    def process(self, batch: Batch, sampled: list[tuple[Req, int]], pending: Pending) -> list[StepOutput]:
-        """Read one launched step's tokens: fill in placeholders, stop checks, detokenize, release finished."""
+    def process(self, batch: Batch, sampled: list[tuple[Req, int]],
+                pending: Pending) -> list[StepOutput]:
+        """Read one launched step's tokens: fill in placeholders, stop checks, detokenize, release
+        finished."""
         tokens, events = pending.wait()
         t0 = time.perf_counter()
         outputs = []
         for (req, index), token_id in zip(sampled, tokens):
-            if req.finished:  # it finished at an earlier step (or was aborted) while this one was in flight
+            # it finished at an earlier step (or was aborted) while this one was in flight
+            if req.finished:
                 continue
             req.output_ids[index] = token_id
             self._check_stop(req, token_id, index + 1)
-            if req.finished and len(req.output_ids) > index + 1:  # drop the launched tokens after the last one
+            # drop the launched tokens after the last one
+            if req.finished and len(req.output_ids) > index + 1:
                 del req.output_ids[index + 1 :]
                 req.device_len, req.cached_len = len(req.all_ids), len(req.all_ids) - 1
             req.check_invariants()
             detok = self.detok.pop(req.rid, None) if req.finished else self.detok.get(req.rid)
             delta = detok.take_delta(final=req.finished) if detok and self.stream_text else ""
-            outputs.append(StepOutput(req.rid, [token_id], delta, req.finished, req.finish_reason, req))
+            outputs.append(
+                StepOutput(req.rid, [token_id], delta, req.finished, req.finish_reason, req))
         self.decoder.remove_finished()
         still_launched = {r.rid for b, _, _ in self.inflight for r in b.reqs}
         for req in [r for r in self.deferred if r.rid not in still_launched]:
@@ -400,7 +459,8 @@ class Scheduler:
         return outputs
 
     def _check_stop(self, req: Req, token_id: int, num_output: int) -> None:
-        """num_output: the request's output length up to this token (later launched tokens are not counted)."""
+        """num_output: the request's output length up to this token (later launched tokens are not
+        counted)."""
         params = req.sampling_params
         detok = self.detok.get(req.rid)
         matched_string = detok.add(token_id) if detok else None
@@ -419,7 +479,8 @@ class Scheduler:
         self.batch_is_full = False  # its pages come back (now, or once its launched step is read)
         if req.table_idx >= 0:
             if self._launched(req):
-                self.deferred.append(req)  # a launched batch may still write its KV pages: release after it
+                # a launched batch may still write its KV pages: release after it
+                self.deferred.append(req)
             else:
                 self.cache.release(req)
         self.reqs.pop(req.rid, None)
@@ -431,10 +492,23 @@ class Scheduler:
 
     def _maybe_log(self, batch: Batch, num_new_tokens: int) -> None:
         self._log_tokens += num_new_tokens
-        if self.log_interval and batch.phase == "decode" and self.step_count % self.log_interval == 0:
+        if (
+            self.log_interval
+            and batch.phase == "decode"
+            and self.step_count % self.log_interval == 0
+        ):
             now = time.perf_counter()
-            logger.info("step %d: decode batch %d, %d waiting, KV pages %d/%d used, cache hit rate %.1f%%, tree "
-                        "%d tokens, gen throughput %.1f tok/s", self.step_count, batch.size, len(self.waiting),
-                        self.cache.num_used_pages, self.cache.pool.num_pages, 100 * self.cache_hit_rate,
-                        self.tree_tokens, self._log_tokens / (now - self._log_time))
+            logger.info(
+                "step %d: decode batch %d, %d waiting, KV pages %d/%d used, cache hit rate %.1f%%, "
+                "tree "
+                "%d tokens, gen throughput %.1f tok/s",
+                self.step_count,
+                batch.size,
+                len(self.waiting),
+                self.cache.num_used_pages,
+                self.cache.pool.num_pages,
+                100 * self.cache_hit_rate,
+                self.tree_tokens,
+                self._log_tokens / (now - self._log_time),
+            )
             self._log_tokens, self._log_time = 0, now

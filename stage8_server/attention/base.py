@@ -1,15 +1,17 @@
 """The attention backend interface: two operations, both reading keys through the page table.
 
-- prefill (an "extend", `flash_attn_varlen_func`-style with a paged KV cache): the new tokens of a batch are packed
-  into [N, heads, head_dim]; `cu_seqlens` marks where each request's new tokens start. Request b's new tokens sit at
-  positions prefix_lens[b] .. seq_lens[b]-1 and attend causally to everything before them in its pages: a prompt
-  prefix cached by an earlier chunk (chunked prefill) or, from stage 6, by another request.
-- decode (`flash_attn_with_kvcache`-style with a block table): one query per request, [B, heads, head_dim], against
-  the request's first seq_lens[b] cached tokens.
+- prefill (an "extend", `flash_attn_varlen_func`-style with a paged KV cache): the new tokens of a
+  batch are packed into [N, heads, head_dim]; `cu_seqlens` marks where each request's new tokens
+  start. Request b's new tokens sit at positions prefix_lens[b] .. seq_lens[b]-1 and attend causally
+  to everything before them in its pages: a prompt prefix cached by an earlier chunk (chunked
+  prefill) or, from stage 6, by another request.
+- decode (`flash_attn_with_kvcache`-style with a block table): one query per request, [B, heads,
+  head_dim], against the request's first seq_lens[b] cached tokens.
 
 A request's token at position p lives at k_cache[page_table[row, p // page_size], p % page_size].
-Storing the new K/V is the same for every backend, so it lives here, in `forward`. What a backend derives from the
-batch's layout (the torch backend's key slots) it builds once per pass in `init_forward_metadata`, not per layer.
+Storing the new K/V is the same for every backend, so it lives here, in `forward`. What a backend
+derives from the batch's layout (the torch backend's key slots) it builds once per pass in
+`init_forward_metadata`, not per layer.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ class ForwardBatch:
     phase: str  # "prefill" or "decode"
     input_ids: torch.Tensor  # [N] packed new tokens of all requests
     positions: torch.Tensor  # [N] each token's position in its own request
-    out_cache_loc: torch.Tensor  # [N] the pool slot (page * page_size + offset) each token's K/V is written to
+    # [N] the pool slot (page * page_size + offset) each token's K/V is written to
+    out_cache_loc: torch.Tensor
     req_rows: torch.Tensor  # [B] int32 each request's row in the page table
     prefix_lens: torch.Tensor  # [B] int32 tokens already cached before this pass
     seq_lens: torch.Tensor  # [B] int32 tokens cached after this pass
@@ -40,7 +43,8 @@ class ForwardBatch:
     kv_pool: "PagedKVPool"  # noqa: F821 (kv_cache.py)
     page_table: torch.Tensor  # [max_running_reqs, max_pages_per_req] int32 page ids
     attn_backend: "AttentionBackend"
-    # What the backend's init_forward_metadata prepared once for every layer of this pass (None: nothing).
+    # What the backend's init_forward_metadata prepared once for every layer of this pass (None:
+    # nothing).
     attn_metadata: object = None
 
     @property
@@ -56,8 +60,9 @@ class AttentionBackend:
     name = "base"
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        """Called once per forward pass, before the first layer: work every layer would otherwise repeat (SGLang's
-        name). The kernels of the other backends read the page table themselves and need nothing."""
+        """Called once per forward pass, before the first layer: work every layer would otherwise
+        repeat (SGLang's name). The kernels of the other backends read the page table themselves and
+        need nothing."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: ForwardBatch) -> torch.Tensor:
@@ -70,7 +75,8 @@ class AttentionBackend:
         return self.decode(q, k_cache, v_cache, fb, scale)
 
     def prefill(self, q, k, v, k_cache, v_cache, fb: ForwardBatch, scale: float) -> torch.Tensor:
-        """k, v are this pass's new K/V (already stored): a backend may use them when nothing was cached before."""
+        """k, v are this pass's new K/V (already stored): a backend may use them when nothing was
+        cached before."""
         raise NotImplementedError
 
     def decode(self, q, k_cache, v_cache, fb: ForwardBatch, scale: float) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The scheduler: waiting queue -> prefill batches (PrefillAdder) -> decode batches (DecodeManager), with KV pages
+"""The scheduler: waiting queue -> prefill batches (PrefillAdder) -> decode batches (DecodeManager),
+    with KV pages
 handed out by the CacheManager."""
 
 from .cache_manager import CacheManager

@@ -1,4 +1,5 @@
-"""Stage 8's server: an OpenAI-compatible HTTP API in front of the stage's engine, in four kinds of process.
+"""Stage 8's server: an OpenAI-compatible HTTP API in front of the stage's engine, in four kinds of
+process.
 
     launch.py              start the processes, handshake, watchdog, shutdown
     api_server.py          FastAPI app (main process); engine_client.py its end of the sockets;

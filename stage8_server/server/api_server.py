@@ -7,11 +7,13 @@
     GET  /get_server_info                        engine settings, process ids, scheduler state
                                                  (?check=1: and the full integrity check)
     POST /flush_cache                            empty the radix cache of what no request uses
-    GET  /                                       the playground: one HTML page that chats with the server
+    GET  /                                       the playground: one HTML page that chats with the
+                                                 server
 
-A handler turns the body into prompts + SamplingParams names, hands them to the EngineClient, and turns what comes
-back into OpenAI's shape. Streaming uses server-sent events: each chunk is one line `data: {json}` followed by a
-blank line; the stream ends with `data: [DONE]`. A client that disconnects has its requests aborted.
+A handler turns the body into prompts + SamplingParams names, hands them to the EngineClient, and
+turns what comes back into OpenAI's shape. Streaming uses server-sent events: each chunk is one line
+`data: {json}` followed by a blank line; the stream ends with `data: [DONE]`. A client that
+disconnects has its requests aborted.
 
 A body is read as JSON whatever its Content-Type says (`curl -d` sends form encoding); every error,
 a wrong method included, has OpenAI's shape. Shutting down (APIServer) goes in order: stop
@@ -70,9 +72,10 @@ class APIServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def create_app(ports: PortArgs, served_model_name: str, info: EngineInfo, server_info: dict) -> FastAPI:
-    """server_info: what /get_server_info reports besides the scheduler's state (model path, engine arguments,
-    process ids); the launcher fills it in."""
+def create_app(ports: PortArgs, served_model_name: str, info: EngineInfo,
+               server_info: dict) -> FastAPI:
+    """server_info: what /get_server_info reports besides the scheduler's state (model path, engine
+    arguments, process ids); the launcher fills it in."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -90,10 +93,13 @@ def create_app(ports: PortArgs, served_model_name: str, info: EngineInfo, server
 
     def check_model(model: str | None) -> None:
         if model is not None and model != served_model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{served_model_name}`.",
-                           "model", "model_not_found")
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{served_model_name}`.",
+                "model", "model_not_found")
 
-    # ---------------------------------------------------------------- errors: OpenAI's shape, always
+    # ---------------------------------------------------------------- errors: OpenAI's shape,
+    # always
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
         return JSONResponse(exc.body(), status_code=exc.status)
@@ -104,7 +110,10 @@ def create_app(ports: PortArgs, served_model_name: str, info: EngineInfo, server
         loc = [str(part) for part in err.get("loc", ()) if part != "body"]
         param = ".".join(loc) or None
         if err.get("type") == "json_invalid":
-            param, message = None, f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}"
+            param, message = (
+                None,
+                f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}",
+            )
         elif not loc:
             message = f"the body must be a JSON object ({err.get('msg')})"
         elif err.get("type") == "extra_forbidden":
@@ -127,10 +136,12 @@ def create_app(ports: PortArgs, served_model_name: str, info: EngineInfo, server
         return JSONResponse(APIError(500, f"internal error: {exc!r}").body(), status_code=500)
 
     # ---------------------------------------------------------------- generation
-    async def respond(request: Request, handle: RequestHandle, builder: ResponseBuilder, stream: bool):
+    async def respond(request: Request, handle: RequestHandle, builder: ResponseBuilder,
+                      stream: bool):
         watcher = asyncio.get_running_loop().create_task(handle.abort_on_disconnect(request))
         try:
-            first = await handle.next()  # a refusal arrives first: answer it with its status, not a stream
+            # a refusal arrives first: answer it with its status, not a stream
+            first = await handle.next()
         except Disconnected:
             return Response(status_code=499)
         except BaseException:
@@ -165,7 +176,8 @@ def create_app(ports: PortArgs, served_model_name: str, info: EngineInfo, server
                 yield sse(exc.body())
             finally:
                 watcher.cancel()
-                await handle.abort()  # the client went away (or an error): free the requests' KV pages
+                # the client went away (or an error): free the requests' KV pages
+                await handle.abort()
             yield sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -177,7 +189,8 @@ def create_app(ports: PortArgs, served_model_name: str, info: EngineInfo, server
         return_logprob, top = body.logprob_args()
         params = body.sampling_params(body.max_new_tokens())
         messages = [m.as_template_input() for m in body.messages]
-        handle = await client_of(request).generate([{"messages": messages}], params, body.n, return_logprob, top)
+        handle = await client_of(request).generate([{"messages": messages}], params, body.n,
+                                                   return_logprob, top)
         builder = ChatBuilder(served_model_name, len(handle.index), body.n, body.include_usage,
                               return_logprob, body.continuous_usage, tool_format=body.tool_format())
         return await respond(request, handle, builder, body.stream)
@@ -191,9 +204,9 @@ def create_app(ports: PortArgs, served_model_name: str, info: EngineInfo, server
         handle = await client_of(request).generate(
             body.prompts(), params, body.n, return_logprob, body.logprobs or 0,
             logprob_start_len=body.logprob_start_len, echo=body.echo)
-        builder = CompletionBuilder(served_model_name, len(handle.index), body.n, body.include_usage,
-                                    return_logprob, body.continuous_usage, echo=body.echo,
-                                    drop_output=body.max_tokens == 0)
+        builder = CompletionBuilder(served_model_name, len(handle.index), body.n,
+                                    body.include_usage, return_logprob, body.continuous_usage,
+                                    echo=body.echo, drop_output=body.max_tokens == 0)
         return await respond(request, handle, builder, body.stream)
 
     @app.post("/generate")
@@ -233,8 +246,9 @@ def create_app(ports: PortArgs, served_model_name: str, info: EngineInfo, server
     @app.get("/get_server_info")
     async def get_server_info(request: Request, check: bool = False):
         state = await client_of(request).control("status", check_integrity=check)
-        return dict(server_info, served_model_name=served_model_name, max_context_len=info.max_context_len,
-                    max_total_tokens=info.max_total_tokens, internal_state=state)
+        return dict(server_info, served_model_name=served_model_name,
+                    max_context_len=info.max_context_len, max_total_tokens=info.max_total_tokens,
+                    internal_state=state)
 
     @app.post("/flush_cache")
     async def flush_cache(request: Request):

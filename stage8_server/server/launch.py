@@ -1,19 +1,22 @@
 """Start the server's processes, serve, and stop them all together.
 
-    main process: API server (FastAPI + uvicorn) ─▶ tokenizer worker ─▶ scheduler ─▶ detokenizer worker ─▶ back
+    main process: API server (FastAPI + uvicorn) ─▶ tokenizer worker ─▶ scheduler
+                  ─▶ detokenizer worker ─▶ back to the API server
 
 1. Bind the HTTP port first (a port in use fails in a second, not after the model loaded).
-2. Start the scheduler (multiprocessing "spawn": a fresh interpreter, no state copied from this one) and wait for
-   its handshake: it sends ("ready", EngineInfo) once the model is loaded, or ("failed", traceback). Then the
-   tokenizer and detokenizer workers (the tokenizer validates against the engine's context length and vocabulary).
-   Each has STARTUP_TIMEOUT_S to say it is ready.
-3. Serve. A watchdog thread waits on every child's sentinel: when one dies, it names it, fails every request in
-   flight (503) and stops uvicorn. SIGINT and SIGTERM stop uvicorn in order (api_server.APIServer):
-   it stops accepting, every live request is ended (a stream: an error event and [DONE]), the open
-   connections finish, then the API server's sockets close.
-4. On the way out, whatever the reason (SIGINT, SIGTERM, a dead child, a failed start), SIGTERM every child that is
-   still alive, wait, SIGKILL the stubborn ones. A dead child makes the exit status 1. Children also watch their
-   parent (process.py), so even a SIGKILLed launcher leaves no orphans.
+2. Start the scheduler (multiprocessing "spawn": a fresh interpreter, no state copied from this one)
+   and wait for its handshake: it sends ("ready", EngineInfo) once the model is loaded, or
+   ("failed", traceback). Then the tokenizer and detokenizer workers (the tokenizer validates
+   against the engine's context length and vocabulary). Each has STARTUP_TIMEOUT_S to say it is
+   ready.
+3. Serve. A watchdog thread waits on every child's sentinel: when one dies, it names it, fails every
+   request in flight (503) and stops uvicorn. SIGINT and SIGTERM stop uvicorn in order
+   (api_server.APIServer): it stops accepting, every live request is ended (a stream: an error event
+   and [DONE]), the open connections finish, then the API server's sockets close.
+4. On the way out, whatever the reason (SIGINT, SIGTERM, a dead child, a failed start), SIGTERM
+   every child that is still alive, wait, SIGKILL the stubborn ones. A dead child makes the exit
+   status 1. Children also watch their parent (process.py), so even a SIGKILLed launcher leaves no
+   orphans.
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ class Launcher:
     def start(self, name: str, target, *args) -> Child:
         ctx = mp.get_context("spawn")
         reader, writer = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=target, args=(*args, self.ports, writer), name=name, daemon=False)
+        process = ctx.Process(target=target, args=(*args, self.ports, writer), name=name,
+                              daemon=False)
         process.start()
         writer.close()  # the child holds its own copy; EOF on `reader` now means the child is gone
         child = Child(name, process, reader)
@@ -84,7 +88,8 @@ class Launcher:
                 break
         child.process.join(0.5)
         if child.process.exitcode is not None:
-            raise LaunchError(f"the {child.name} exited during startup (exit code {child.process.exitcode})")
+            raise LaunchError(
+                f"the {child.name} exited during startup (exit code {child.process.exitcode})")
         raise LaunchError(f"the {child.name} did not get ready within {timeout:.0f} s")
 
     def watch(self, on_death) -> threading.Thread:
@@ -97,7 +102,10 @@ class Launcher:
                 return
             child = sentinels[ready[0]]
             child.process.join(1.0)
-            self.died = f"the {child.name} (pid {child.process.pid}) died with exit code {child.process.exitcode}"
+            self.died = (
+                f"the {child.name} (pid {child.process.pid}) died with exit code "
+                f"{child.process.exitcode}"
+            )
             print(f"error: {self.died}; stopping the server", file=sys.stderr, flush=True)
             on_death(self.died)
 
@@ -134,13 +142,14 @@ def bind_port(host: str, port: int) -> socket.socket:
 
 
 def launch_server(server_args: ServerArgs, verbose: bool = True) -> int:
-    """Run the server until SIGINT / SIGTERM or a child's death. Returns the exit status (0: asked to stop).
-    server_args.model_path: a resolved folder (every process loads the same one)."""
+    """Run the server until SIGINT / SIGTERM or a child's death. Returns the exit status (0: asked
+    to stop). server_args.model_path: a resolved folder (every process loads the same one)."""
     import uvicorn  # the server's dependencies, imported only by the process that serves
 
     from .api_server import APIServer, create_app
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SystemExit: the `finally` below stops the children
+    # SystemExit: the `finally` below stops the children
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     launcher = Launcher()
     host = server_args.host
     try:
@@ -155,11 +164,18 @@ def launch_server(server_args: ServerArgs, verbose: bool = True) -> int:
         launcher.wait_ready(detokenizer)
 
         name = server_args.served_model_name or model_path
-        server_info = {"model_path": model_path,
-                       "server_args": {f.name: str(getattr(server_args, f.name)) for f in fields(server_args)},
-                       "processes": {"api_server": os.getpid(), **{c.name: c.process.pid for c in launcher.children}}}
+        server_info = {
+            "model_path": model_path, "server_args": {
+                f.name: str(getattr(server_args, f.name))
+                for f in fields(server_args)
+            }, "processes": {
+                "api_server": os.getpid(), **{c.name: c.process.pid
+                                              for c in launcher.children}
+            }
+        }
         app = create_app(launcher.ports, name, info, server_info)
-        server = APIServer(uvicorn.Config(app, log_level=server_args.log_level, timeout_graceful_shutdown=2))
+        server = APIServer(
+            uvicorn.Config(app, log_level=server_args.log_level, timeout_graceful_shutdown=2))
 
         def on_death(message: str) -> None:
             loop = getattr(app.state, "loop", None)
@@ -171,7 +187,8 @@ def launch_server(server_args: ServerArgs, verbose: bool = True) -> int:
         url = f"http://{host}:{port}"
         print(f"serving {name} at {url} (playground: {url}/)\n"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
+              f"-d '{{\"model\": \"{name}\", "
+              f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
               flush=True)
         server.run(sockets=[sock])
     except LaunchError as exc:

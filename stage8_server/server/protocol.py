@@ -1,24 +1,27 @@
-"""The HTTP request bodies (OpenAI's and SGLang's native /generate), as strict pydantic models, and their mapping
-onto the engine's SamplingParams names.
+"""The HTTP request bodies (OpenAI's and SGLang's native /generate), as strict pydantic models, and
+their mapping onto the engine's SamplingParams names.
 
-The API server checks shape and types here (a string where a number belongs, a field nobody knows, malformed JSON:
-400 naming the field); the tokenizer worker checks every value against the engine (ranges, vocabulary, context).
-Unknown fields are refused rather than ignored: a client that sends `logit_bias` learns that this server does not
-do it, instead of getting an answer that silently differs from what it asked for.
+The API server checks shape and types here (a string where a number belongs, a field nobody knows,
+malformed JSON: 400 naming the field); the tokenizer worker checks every value against the engine
+(ranges, vocabulary, context). Unknown fields are refused rather than ignored: a client that sends
+`logit_bias` learns that this server does not do it, instead of getting an answer that silently
+differs from what it asked for.
 
-Structured outputs: `response_format` (json_object, json_schema), SGLang's extra fields `regex` and `ebnf`, and
-`tool_choice` naming a function or "required" all become one grammar, SamplingParams' json_schema, regex or ebnf
-(at most one per request). A tool call is then the constrained output, returned as message.tool_calls
-(ToolCallFormat). tool_choice "auto" is refused: deciding *whether* to call a tool is written in each model's own
-tool-call format (tokens its chat template defines), which this server does not parse.
+Structured outputs: `response_format` (json_object, json_schema), SGLang's extra fields `regex` and
+`ebnf`, and `tool_choice` naming a function or "required" all become one grammar, SamplingParams'
+json_schema, regex or ebnf (at most one per request). A tool call is then the constrained output,
+returned as message.tool_calls (ToolCallFormat). tool_choice "auto" is refused: deciding *whether*
+to call a tool is written in each model's own tool-call format (tokens its chat template defines),
+which this server does not parse.
 
 Two conventions make real clients work without weakening that:
 - `null` means "not set", for every optional field (OpenAI's SDKs and proxies send it): it is
   dropped before validation, so the field takes its default.
 - A value that asks for nothing this server would do differently is accepted and dropped (NO_OPS):
   `store: false`, `tools: []`, `tool_choice: "none"` (with whatever tools: none may be called),
-  `response_format: {"type": "text"}`, and `parallel_tool_calls` once no tools are left. Other values of
-  tools, tool_choice and response_format ask for structured output (above); `store: true` is refused.
+  `response_format: {"type": "text"}`, and `parallel_tool_calls` once no tools are left. Other
+  values of tools, tool_choice and response_format ask for structured output (above); `store: true`
+  is refused.
 """
 
 from __future__ import annotations
@@ -35,13 +38,18 @@ MAX_N = 128  # OpenAI's limit on n
 class APIError(Exception):
     """Becomes an OpenAI-shaped error body: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
         kind = "invalid_request_error" if 400 <= self.status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message, "type": kind, "param": self.param, "code": self.code
+            }
+        }
 
 
 # Values that ask for nothing this server would do differently: accepted, dropped before validation.
@@ -85,7 +93,8 @@ class ChatMessage(Strict):
     name: str | None = None
 
     def as_template_input(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        text = self.content if isinstance(self.content, str) else "".join(
+            p.text for p in self.content)
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
@@ -104,16 +113,19 @@ class ResponseFormat(Strict):
     json_schema: JSONSchemaSpec | None = None
 
     def grammar(self) -> str:
-        """-> SamplingParams.json_schema. json_object: any JSON object (SGLang maps it the same way)."""
+        """-> SamplingParams.json_schema. json_object: any JSON object (SGLang maps it the same
+        way)."""
         if self.type == "json_object":
             return json.dumps({"type": "object"})
         if self.json_schema is None or self.json_schema.schema_ is None:
-            raise APIError(400, "response_format of type json_schema needs json_schema.schema", "response_format")
+            raise APIError(400, "response_format of type json_schema needs json_schema.schema",
+                           "response_format")
         return json.dumps(self.json_schema.schema_)
 
 
 class SamplingFields(Strict):
-    """What chat and completions share: OpenAI's parameters, then SGLang's extras (sent as extra body fields)."""
+    """What chat and completions share: OpenAI's parameters, then SGLang's extras (sent as extra
+    body fields)."""
 
     model: str | None = None  # None: the one model this server serves
     temperature: float | None = Field(None, ge=0, le=2)  # None: 1.0, OpenAI's default
@@ -125,7 +137,8 @@ class SamplingFields(Strict):
     seed: int | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    user: str | None = None  # OpenAI's end-user id: accepted; this server has no accounts to use it for
+    # OpenAI's end-user id: accepted; this server has no accounts to use it for
+    user: str | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -142,16 +155,20 @@ class SamplingFields(Strict):
 
     def sampling_params(self, max_new_tokens: int | None) -> dict:
         """OpenAI names -> SamplingParams names; what is not given keeps the engine's default."""
-        params = {"max_new_tokens": max_new_tokens, "temperature": 1.0 if self.temperature is None else
-                  self.temperature, "ignore_eos": self.ignore_eos}
-        for name in ("top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-                     "repetition_penalty", "stop_token_ids"):
+        params = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "ignore_eos": self.ignore_eos
+        }
+        for name in ("top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k",
+                     "min_p", "repetition_penalty", "stop_token_ids"):
             if getattr(self, name) is not None:
                 params[name] = getattr(self, name)
         return dict(params, **self.grammar_params())
 
     def grammar_params(self, tool_schema: str | None = None) -> dict:
-        """The request's grammar, as SamplingParams' json_schema / regex / ebnf; at most one may be given."""
+        """The request's grammar, as SamplingParams' json_schema / regex / ebnf; at most one may be
+        given."""
         given = {}  # the request's field name -> (SamplingParams name, text)
         if self.response_format is not None and self.response_format.type != "text":
             given["response_format"] = ("json_schema", self.response_format.grammar())
@@ -161,8 +178,9 @@ class SamplingFields(Strict):
             if getattr(self, name, None) is not None:
                 given[name] = (name, getattr(self, name))
         if len(given) > 1:
-            raise APIError(400, f"give at most one of {', '.join(given)}: each asks for its own grammar",
-                           list(given)[1])
+            raise APIError(
+                400, f"give at most one of {', '.join(given)}: each asks for its own grammar",
+                list(given)[1])
         return dict(given.values())
 
     @property
@@ -199,8 +217,9 @@ class NamedToolChoice(Strict):
 
 @dataclass
 class ToolCallFormat:
-    """How a chat output becomes message.tool_calls. name set (tool_choice named it): the output is that
-    function's arguments. None ("required"): a JSON array of {"name", "parameters"} objects, one per call."""
+    """How a chat output becomes message.tool_calls. name set (tool_choice named it): the output is
+    that function's arguments. None ("required"): a JSON array of {"name", "parameters"} objects,
+    one per call."""
 
     name: str | None
     json_schema: str  # the grammar of that output
@@ -232,10 +251,11 @@ class ChatCompletionRequest(SamplingFields):
             raise APIError(400, "tools must have distinct function names", "tools")
         choice = "auto" if self.tool_choice is None else self.tool_choice
         if choice == "auto":
-            raise APIError(400, 'tool_choice "auto" (the default with tools) lets the model decide whether to '
-                           "call a tool, in a tool-call format of its own that this server does not parse; "
-                           'send tool_choice "required", or name a function: {"type": "function", '
-                           '"function": {"name": ...}}', "tool_choice")
+            raise APIError(
+                400, 'tool_choice "auto" (the default with tools) lets the model decide whether to '
+                "call a tool, in a tool-call format of its own that this server does not parse; "
+                'send tool_choice "required", or name a function: {"type": "function", '
+                '"function": {"name": ...}}', "tool_choice")
         if choice == "required":
             calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
                 {"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
@@ -246,14 +266,19 @@ class ChatCompletionRequest(SamplingFields):
             return ToolCallFormat(None, json.dumps(calls))
         function = functions.get(choice.function.name)
         if function is None:
-            raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools "
-                           f"({', '.join(functions)})", "tool_choice")
+            raise APIError(
+                400, f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                f"({', '.join(functions)})", "tool_choice")
         return ToolCallFormat(function.name, json.dumps(parameters_schema(function)))
 
     def max_new_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise APIError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
     def logprob_args(self) -> tuple[bool, int]:
         if self.top_logprobs and not self.logprobs:
@@ -262,15 +287,19 @@ class ChatCompletionRequest(SamplingFields):
 
 
 def parameters_schema(function: FunctionDefinition) -> dict:
-    return function.parameters if function.parameters is not None else {"type": "object", "properties": {}}
+    return function.parameters if function.parameters is not None else {
+        "type": "object", "properties": {}
+    }
 
 
 class CompletionRequest(SamplingFields):
-    # A string, a list of strings, token ids, or a list of token-id lists: one choice per prompt (times n).
+    # A string, a list of strings, token ids, or a list of token-id lists: one choice per prompt
+    # (times n).
     prompt: Union[str, list[str], list[int], list[list[int]]]
     json_schema: str | None = None  # SGLang's: the output follows this JSON schema (its text)
     max_tokens: int = Field(16, ge=0)  # OpenAI's default for completions; 0 only with echo
-    logprobs: int | None = Field(None, ge=0, le=5)  # how many top tokens per position (OpenAI's legacy shape)
+    # how many top tokens per position (OpenAI's legacy shape)
+    logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False  # the prompt first, in the text and (with logprobs) in the logprobs
 
     def max_new_tokens(self) -> int:

@@ -1,16 +1,19 @@
 """The scheduler process: the stage's Scheduler in a loop, fed by a socket instead of a Python call.
 
     loop:
-        receive: block on the socket (zmq poll, with a timeout) when there is no work; drain it without blocking
-                 when there is: new requests -> add_req, aborts -> abort_request, flush_cache, in arrival order
-        step():  the LLM's step: every rank applies this turn's operations in that order, then one forward pass
-        send:    the step's token ids (and finish reasons, logprobs) to the detokenizer, one message per step;
-                 the replies to this turn's control requests, which now see the flush done
+        receive: block on the socket (zmq poll, with a timeout) when there is no work; drain it
+                 without blocking when there is: new requests -> add_req, aborts -> abort_request,
+                 flush_cache, in arrival order
+        step():  the LLM's step: every rank applies this turn's operations in that order, then one
+                 forward pass
+        send:    the step's token ids (and finish reasons, logprobs) to the detokenizer, one message
+                 per step; the replies to this turn's control requests, which now see the flush done
 
-The loop never waits for a client, never decodes text and never holds the GIL of the HTTP process: the only thing
-that can stall it is the forward pass itself. Stop strings are still checked here, with the scheduler's own
-incremental detokenizer for the requests that have them (as SGLang does): the scheduler is the one that must stop
-generating, and a round trip to the detokenizer would let it decode tokens nobody will see.
+The loop never waits for a client, never decodes text and never holds the GIL of the HTTP process:
+the only thing that can stall it is the forward pass itself. Stop strings are still checked here,
+with the scheduler's own incremental detokenizer for the requests that have them (as SGLang does):
+the scheduler is the one that must stop generating, and a round trip to the detokenizer would let it
+decode tokens nobody will see.
 """
 
 from __future__ import annotations
@@ -24,23 +27,27 @@ from ..core import Req
 from ..llm import LLM
 from ..scheduler import StepOutput
 from ..server_args import ServerArgs
-from .messages import (AbortReq, BatchTokenIDOut, BatchTokenizedGenerateReqInput, ControlOut, ControlReq,
-                       EngineInfo, PortArgs, ReqOutput, TokenizedGenerateReqInput, TokenLogprob, error_output)
+from .messages import (AbortReq, BatchTokenIDOut, BatchTokenizedGenerateReqInput, ControlOut,
+                       ControlReq, EngineInfo, PortArgs, ReqOutput, TokenizedGenerateReqInput,
+                       TokenLogprob, error_output)
 from .process import POLL_TIMEOUT_MS, ChildProcess, open_sockets
 
 logger = logging.getLogger(__name__)
 
 
 class SchedulerLoop:
-    """Drives the LLM's add / step / abort (the same calls as offline) from the socket; reads the Scheduler's state
-    (llm.scheduler) for the status."""
+    """Drives the LLM's add / step / abort (the same calls as offline) from the socket; reads the
+    Scheduler's state (llm.scheduler) for the status."""
 
     def __init__(self, llm: LLM, recv: zmq.Socket, to_detokenizer: zmq.Socket, to_api: zmq.Socket):
         self.llm, self.scheduler = llm, llm.scheduler
         self.recv, self.to_detokenizer, self.to_api = recv, to_detokenizer, to_api
-        self.later: list[TokenizedGenerateReqInput] = []  # copies of a prompt (n > 1), added one step late
-        self.unannounced: set[int] = set()  # rids whose first output (with their stop strings) is not sent yet
-        self.controls: list[ControlReq] = []  # answered after this turn's step has applied their operations
+        # copies of a prompt (n > 1), added one step late
+        self.later: list[TokenizedGenerateReqInput] = []
+        # rids whose first output (with their stop strings) is not sent yet
+        self.unannounced: set[int] = set()
+        # answered after this turn's step has applied their operations
+        self.controls: list[ControlReq] = []
         self.prompt_texts: dict[int, str] = {}  # echo requests' prompts, for their first output
         self.num_aborted = 0  # requests aborted while unfinished (clients that went away)
 
@@ -55,7 +62,8 @@ class SchedulerLoop:
         for req in copies:  # their prompt was admitted last step: it is in the radix cache now
             self.add(req)
         if not self.has_work():
-            self.recv.poll(poll_timeout_ms)  # sleeps until a message arrives (or the timeout): no busy-waiting
+            # sleeps until a message arrives (or the timeout): no busy-waiting
+            self.recv.poll(poll_timeout_ms)
         while True:  # drain: everything already queued joins this step
             try:
                 msg = self.recv.recv_pyobj(zmq.NOBLOCK)
@@ -63,13 +71,16 @@ class SchedulerLoop:
                 break
             self.handle(msg)
         if self.has_work():
-            # An abort reads its request's launched step first; those tokens are nobody's now (abort() said so).
+            # An abort reads its request's launched step first; those tokens are nobody's now
+            # (abort() said so).
             outputs = [o for o in self.llm.step() if o.req.finish_reason != "abort"]
             if outputs:
-                self.to_detokenizer.send_pyobj(BatchTokenIDOut([self.to_message(o) for o in outputs]))
+                self.to_detokenizer.send_pyobj(
+                    BatchTokenIDOut([self.to_message(o) for o in outputs]))
         controls, self.controls = self.controls, []
         for msg in controls:
-            self.to_api.send_pyobj(ControlOut(msg.req_id, self.control(msg.kind, msg.check_integrity)))
+            self.to_api.send_pyobj(
+                ControlOut(msg.req_id, self.control(msg.kind, msg.check_integrity)))
 
     def handle(self, msg) -> None:
         if isinstance(msg, BatchTokenizedGenerateReqInput):
@@ -80,7 +91,8 @@ class SchedulerLoop:
             self.abort(msg.rid)
         elif isinstance(msg, ControlReq):
             if msg.kind == "flush_cache":
-                self.llm.flush_cache()  # in this turn's list, after what arrived before it: on every rank
+                # in this turn's list, after what arrived before it: on every rank
+                self.llm.flush_cache()
             self.controls.append(msg)
         else:
             logger.error("scheduler: unexpected message %r", type(msg).__name__)
@@ -90,7 +102,8 @@ class SchedulerLoop:
                   top_logprobs_num=msg.top_logprobs_num, logprob_start_len=msg.logprob_start_len)
         try:
             self.llm.add_req(req)
-        except ValueError as exc:  # the tokenizer worker checks the same things: this is the last line
+        # the tokenizer worker checks the same things: this is the last line
+        except ValueError as exc:
             self.to_detokenizer.send_pyobj(BatchTokenIDOut([error_output(msg.rid, str(exc))]))
             return
         self.unannounced.add(req.rid)
@@ -98,8 +111,8 @@ class SchedulerLoop:
             self.prompt_texts[req.rid] = msg.prompt_text
 
     def abort(self, rid: int) -> None:
-        """The client went away: finish the request now, so its pages go back to the pool (and its full pages to
-        the radix cache). The detokenizer hears of it too, to drop its state."""
+        """The client went away: finish the request now, so its pages go back to the pool (and its
+        full pages to the radix cache). The detokenizer hears of it too, to drop its state."""
         unfinished = self.llm.has_request(rid) or any(r.rid == rid for r in self.later)
         self.later = [r for r in self.later if r.rid != rid]
         if self.llm.has_request(rid):
@@ -107,16 +120,18 @@ class SchedulerLoop:
         self.num_aborted += unfinished
         self.unannounced.discard(rid)
         self.prompt_texts.pop(rid, None)
-        self.to_detokenizer.send_pyobj(BatchTokenIDOut([ReqOutput(rid, finished=True, finish_reason="abort")]))
+        self.to_detokenizer.send_pyobj(
+            BatchTokenIDOut([ReqOutput(rid, finished=True, finish_reason="abort")]))
 
     def to_message(self, out: StepOutput) -> ReqOutput:
         req = out.req
-        if out.error is not None:  # a grammar that did not compile: the client gets a 400 with the reason
+        # a grammar that did not compile: the client gets a 400 with the reason
+        if out.error is not None:
             self.unannounced.discard(out.rid)
             self.prompt_texts.pop(out.rid, None)
             return error_output(out.rid, out.error)
-        msg = ReqOutput(out.rid, out.new_token_ids, out.finished, out.finish_reason, req.matched_stop,
-                        len(req.input_ids), req.cached_tokens)
+        msg = ReqOutput(out.rid, out.new_token_ids, out.finished, out.finish_reason,
+                        req.matched_stop, len(req.input_ids), req.cached_tokens)
         if out.rid in self.unannounced:
             self.unannounced.discard(out.rid)
             msg.stop_strings = req.sampling_params.stop_strings
@@ -134,7 +149,8 @@ class SchedulerLoop:
 
     def control(self, kind: str, check_integrity: bool = False) -> dict:
         s = self.scheduler
-        if kind not in ("status", "flush_cache"):  # a flush was applied by the step before this reply
+        # a flush was applied by the step before this reply
+        if kind not in ("status", "flush_cache"):
             return {"error": f"unknown control request {kind!r}"}
         integrity = "not checked (GET /get_server_info?check=1 walks every page and the whole tree)"
         if check_integrity:
@@ -144,35 +160,40 @@ class SchedulerLoop:
             except AssertionError as exc:
                 integrity = f"FAILED: {exc}"
         cache = s.cache
-        return {"num_running": len(s.decoder.running), "num_waiting": len(s.waiting),
-                "num_total_pages": cache.pool.num_pages, "num_free_pages": cache.num_free_pages,
-                "num_evictable_pages": cache.num_evictable_pages, "num_used_pages": cache.num_used_pages,
-                "page_size": cache.page_size, "tree_tokens": s.tree_tokens, "cache_hit_rate": s.cache_hit_rate,
-                "num_preemptions": s.total_preemptions, "num_aborted_requests": self.num_aborted,
-                "prompt_tokens_admitted": s.admitted_tokens,
-                "prompt_tokens_cached": s.cached_tokens,
-                "integrity": integrity, "pid": os.getpid()}
+        return {
+            "num_running": len(s.decoder.running), "num_waiting": len(s.waiting),
+            "num_total_pages": cache.pool.num_pages, "num_free_pages": cache.num_free_pages,
+            "num_evictable_pages": cache.num_evictable_pages,
+            "num_used_pages": cache.num_used_pages, "page_size": cache.page_size,
+            "tree_tokens": s.tree_tokens, "cache_hit_rate": s.cache_hit_rate,
+            "num_preemptions": s.total_preemptions, "num_aborted_requests": self.num_aborted,
+            "prompt_tokens_admitted": s.admitted_tokens, "prompt_tokens_cached": s.cached_tokens,
+            "integrity": integrity, "pid": os.getpid()
+        }
 
 
 def run_scheduler(server_args: ServerArgs, verbose: bool, ports: PortArgs, ready_conn) -> None:
     """Entry point of the scheduler process: build the engine and its Scheduler, say ready, loop.
 
-    Under tensor parallelism one such process runs per rank, each with its share of the weights. Rank 0 alone
-    owns these sockets: it receives the requests and, every turn of the loop, broadcasts what it received (adds,
-    aborts, flushes, in arrival order) to the other ranks, so that every rank applies the same operations in the
-    same order and schedules the same batches; only rank 0 sends outputs on (SGLang's shape)."""
+    Under tensor parallelism one such process runs per rank, each with its share of the weights.
+    Rank 0 alone owns these sockets: it receives the requests and, every turn of the loop,
+    broadcasts what it received (adds, aborts, flushes, in arrival order) to the other ranks, so
+    that every rank applies the same operations in the same order and schedules the same batches;
+    only rank 0 sends outputs on (SGLang's shape)."""
     child = ChildProcess("scheduler", ready_conn)
     if server_args.log_interval:  # the scheduler's throughput log (--log-interval) is written here
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     try:
-        llm = LLM.from_server_args(server_args, verbose=verbose)  # engine + tokenizer + scheduler, as offline
+        # engine + tokenizer + scheduler, as offline
+        llm = LLM.from_server_args(server_args, verbose=verbose)
         scheduler = llm.scheduler
         scheduler.stream_text = False  # text is the detokenizer's job; stop strings stay here
         engine = llm.engine
         info = EngineInfo(engine.max_context_len, engine.config.vocab_size,
-                          engine.kv_pool.num_pages * engine.kv_pool.page_size, engine.kv_pool.page_size)
-        recv, to_detokenizer, to_api = open_sockets(ports.scheduler_input_ipc_name, ports.detokenizer_ipc_name,
-                                                    ports.api_ipc_name)
+                          engine.kv_pool.num_pages * engine.kv_pool.page_size,
+                          engine.kv_pool.page_size)
+        recv, to_detokenizer, to_api = open_sockets(ports.scheduler_input_ipc_name,
+                                                    ports.detokenizer_ipc_name, ports.api_ipc_name)
     except Exception:
         child.failed()
     child.ready(info)

@@ -1,20 +1,23 @@
 """The tokenizer worker: text in, validated token ids out, in a process of its own.
 
-    API server ──GenerateReqInput──▶ [chat template, tokenize, validate] ──TokenizedGenerateReqInput──▶ scheduler
+    API server ──GenerateReqInput──▶ [chat template, tokenize, validate]
+                                      ├── TokenizedGenerateReqInput ──▶ scheduler
                                       └── a refusal (BatchStrOut with an error) ──▶ API server
 
-Everything the engine would refuse is refused here, before the scheduler sees it, with a message naming the field:
-the sampling parameters (SamplingParams.validate; a grammar must parse), the prompt's token ids (ints inside the vocabulary), the length
-(prompt + max_new_tokens must fit the context, and the KV pool). A request without max_new_tokens
-gets all that is left of the smaller of the two (SGLang's max_req_len, less the prompt). A bad
-request costs the scheduler nothing, and an exception while handling one request (a chat template
-that raises, say) is reported for that request alone: the worker keeps serving.
+Everything the engine would refuse is refused here, before the scheduler sees it, with a message
+naming the field: the sampling parameters (SamplingParams.validate; a grammar must parse), the
+prompt's token ids (ints inside the vocabulary), the length (prompt + max_new_tokens must fit the
+context, and the KV pool). A request without max_new_tokens gets all that is left of the smaller of
+the two (SGLang's max_req_len, less the prompt). A bad request costs the scheduler nothing, and an
+exception while handling one request (a chat template that raises, say) is reported for that request
+alone: the worker keeps serving.
 
-Aborts and control requests go through here unchanged, on the same socket as the requests, so they reach the
-scheduler in the order the API server sent them.
+Aborts and control requests go through here unchanged, on the same socket as the requests, so they
+reach the scheduler in the order the API server sent them.
 
-SGLang does this work inside the API server process (its TokenizerManager). A process of its own keeps a long
-prompt's tokenization, or a chat template's Jinja, off the event loop that serves every HTTP client.
+SGLang does this work inside the API server process (its TokenizerManager). A process of its own
+keeps a long prompt's tokenization, or a chat template's Jinja, off the event loop that serves every
+HTTP client.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ import logging
 from ..constrained import check_grammar
 from ..core import SamplingParams
 from ..tokenizer import Tokenizer
-from .messages import (AbortReq, BatchStrOut, BatchTokenizedGenerateReqInput, ControlReq, EngineInfo,
-                       GenerateReqInput, PortArgs, TokenizedGenerateReqInput, error_output)
+from .messages import (AbortReq, BatchStrOut, BatchTokenizedGenerateReqInput, ControlReq,
+                       EngineInfo, GenerateReqInput, PortArgs, TokenizedGenerateReqInput,
+                       error_output)
 from .process import POLL_TIMEOUT_MS, ChildProcess, open_sockets
 
 logger = logging.getLogger(__name__)
@@ -77,17 +81,21 @@ class TokenizerWorker:
                                f"[0, {prompt_len}), got {start!r}")
         bad = [t for t in base.stop_token_ids if t >= self.info.vocab_size]
         if bad:
-            raise RequestError(f"stop_token_ids must be < the vocabulary size {self.info.vocab_size}, got {bad}")
+            raise RequestError(
+                f"stop_token_ids must be < the vocabulary size {self.info.vocab_size}, got {bad}")
         if not isinstance(req.return_logprob, bool):
             raise RequestError(f"return_logprob must be a bool, got {req.return_logprob!r}")
         k = req.top_logprobs_num
         if not (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_TOP_LOGPROBS):
-            raise RequestError(f"top_logprobs_num must be an int in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
+            raise RequestError(
+                f"top_logprobs_num must be an int in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
         copies = []
         for i, rid in enumerate(req.rids):
-            # Copies of a seeded request differ from each other, and each is reproducible: copy i uses seed + i.
+            # Copies of a seeded request differ from each other, and each is reproducible: copy i
+            # uses seed + i.
             seed = None if base.seed is None else base.seed + i
-            params_i = dataclasses.replace(base, seed=seed, stop_token_ids=list(base.stop_token_ids))
+            params_i = dataclasses.replace(base, seed=seed,
+                                           stop_token_ids=list(base.stop_token_ids))
             prompt_text = self.prompt_text(req, input_ids) if req.echo else None
             copies.append(TokenizedGenerateReqInput(rid, input_ids, params_i, req.return_logprob, k,
                                                     start, prompt_text))
@@ -106,9 +114,12 @@ class TokenizerWorker:
         return self.tokenizer.decode(input_ids, skip_special_tokens=False)
 
     def prompt_ids(self, req: GenerateReqInput) -> list[int]:
-        given = [name for name in ("text", "input_ids", "messages") if getattr(req, name) is not None]
+        given = [
+            name for name in ("text", "input_ids", "messages") if getattr(req, name) is not None
+        ]
         if len(given) != 1:
-            raise RequestError(f"give exactly one of text, input_ids, messages (got {given or 'none'})")
+            raise RequestError(
+                f"give exactly one of text, input_ids, messages (got {given or 'none'})")
         if req.messages is not None:
             return self.chat_ids(req.messages)
         if req.text is not None:
@@ -119,7 +130,9 @@ class TokenizerWorker:
         if not isinstance(ids, list) or not ids:
             raise RequestError("prompt token list is empty: nothing to continue from")
         vocab = self.info.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        bad = [
+            t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+        ]
         if bad:
             raise RequestError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}")
         return list(ids)
@@ -128,7 +141,8 @@ class TokenizerWorker:
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list")
         for i, m in enumerate(messages):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and
+                    isinstance(m.get("content"), str)):
                 raise RequestError(f"messages[{i}] must have a string role and string content")
         try:
             return self.tokenizer.apply_chat_template(messages)
@@ -142,10 +156,11 @@ def run_tokenizer_worker(model_path: str, info: EngineInfo, ports: PortArgs, rea
     """Entry point of the tokenizer worker process."""
     child = ChildProcess("tokenizer worker", ready_conn)
     try:
-        # The scheduler's tokenizer has max_length filled in the same way (LLM): the check is ours, above.
+        # The scheduler's tokenizer has max_length filled in the same way (LLM): the check is ours,
+        # above.
         worker = TokenizerWorker(Tokenizer(model_path), info)
-        recv, to_scheduler, to_api = open_sockets(ports.tokenizer_ipc_name, ports.scheduler_input_ipc_name,
-                                                  ports.api_ipc_name)
+        recv, to_scheduler, to_api = open_sockets(
+            ports.tokenizer_ipc_name, ports.scheduler_input_ipc_name, ports.api_ipc_name)
     except Exception:
         child.failed()
     child.ready()
@@ -160,7 +175,8 @@ def run_tokenizer_worker(model_path: str, info: EngineInfo, ports: PortArgs, rea
                 code = exc.code if isinstance(exc, RequestError) else "invalid_value"
                 if not isinstance(exc, RequestError):
                     logger.exception("tokenizing request %s failed", msg.rids)
-                to_api.send_pyobj(BatchStrOut([error_output(rid, str(exc), code) for rid in msg.rids]))
+                to_api.send_pyobj(
+                    BatchStrOut([error_output(rid, str(exc), code) for rid in msg.rids]))
         elif isinstance(msg, (AbortReq, ControlReq)):
             to_scheduler.send_pyobj(msg)
         else:

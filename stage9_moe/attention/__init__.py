@@ -1,11 +1,14 @@
 """Attention backends: one interface (base.py), three implementations, picked by name.
 
-- "torch": plain PyTorch (torch_backend.py). Runs anywhere; the reference the others are tested against.
-- "triton": our own kernels (triton_backend.py). The default on CUDA; on a CPU it runs in Triton's interpreter.
+- "torch": plain PyTorch (torch_backend.py). Runs anywhere; the reference the others are tested
+  against.
+- "triton": our own kernels (triton_backend.py). The default on CUDA; on a CPU it runs in Triton's
+  interpreter.
 - "flash_attn": the flash-attention 2 library (flash_attn_backend.py), if installed. CUDA only.
 
-The triton and flash_attn modules are imported only when asked for, so `import stage9_moe` never imports triton
-(slow to import, and on a CPU its interpreter mode must be chosen before the kernels are defined).
+The triton and flash_attn modules are imported only when asked for, so `import stage9_moe` never
+imports triton (slow to import, and on a CPU its interpreter mode must be chosen before the kernels
+are defined).
 """
 
 from __future__ import annotations
@@ -32,13 +35,20 @@ def _unavailable_reason(name: str, device: torch.device) -> str | None:
             return "triton is not installed (pip install triton)"
         try:
             from . import triton_backend  # sets TRITON_INTERPRET=1 first when there is no CUDA GPU
-        except Exception as e:  # noqa: BLE001 — a broken install should read as "unavailable", not crash
+        # noqa: BLE001 — a broken install should read as "unavailable", not crash
+        except Exception as e:
             return f"triton failed to import ({type(e).__name__}: {e})"
         if device.type != "cuda" and not triton_backend.INTERPRET:
-            return (f"triton runs on {device.type} only in its interpreter, and TRITON_INTERPRET was not 1 "
-                    "when the kernels were defined")
+            return (
+                f"triton runs on {device.type} only in its interpreter, and TRITON_INTERPRET was "
+                "not 1 "
+                "when the kernels were defined"
+            )
         if triton_backend.INTERPRETER_BROKEN:
-            return "triton was imported before TRITON_INTERPRET=1 was set, so its interpreter cannot run our kernels"
+            return (
+                "triton was imported before TRITON_INTERPRET=1 was set, so its interpreter cannot "
+                "run our kernels"
+            )
         return None
     if name == "flash_attn":
         if importlib.util.find_spec("flash_attn") is None:
@@ -59,7 +69,8 @@ def available_backends(device: torch.device | str) -> list[str]:
 
 
 def default_backend(device: torch.device | str) -> str:
-    """Our triton kernels on CUDA; on a CPU the interpreter is far too slow for a default, so torch."""
+    """Our triton kernels on CUDA; on a CPU the interpreter is far too slow for a default, so
+    torch."""
     device = torch.device(device)
     if device.type == "cuda" and _unavailable_reason("triton", device) is None:
         return "triton"
@@ -71,7 +82,8 @@ def create_backend(name: str | None, device: torch.device | str) -> AttentionBac
     if name is None:
         name = default_backend(device)
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of: {', '.join(BACKENDS)}")
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose one of: {', '.join(BACKENDS)}")
     reason = _unavailable_reason(name, device)
     if reason is not None:
         raise ValueError(f"{reason}; available here: {', '.join(available_backends(device))}")

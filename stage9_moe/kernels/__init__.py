@@ -3,12 +3,13 @@
     rmsnorm, fused_add_rmsnorm     triton_norm.py        layers.RMSNorm
     silu_and_mul                   triton_activation.py  layers' SwiGLU (LlamaMLP)
     rotary_embedding               triton_rope.py        layers.RotaryEmbedding
-    fused_moe_gate_up, _down       triton_moe.py         moe.fused_experts (the MoE layer's fused path)
+    fused_moe_gate_up, _down       triton_moe.py         moe.fused_experts (the fused MoE path)
 
-Which one runs: Triton on CUDA tensors, torch everywhere else ("auto"). On a CPU Triton could run only in its
-interpreter, far too slow to be a default, and the torch versions are exactly what the model computed before it
-had kernels, so CPU results stay bit-identical. `use_backend("triton")` forces the Triton kernels (on a CPU: in
-the interpreter, which the tests do), `use_backend("torch")` forces torch (on a GPU too).
+Which one runs: Triton on CUDA tensors, torch everywhere else ("auto"). On a CPU Triton could run
+only in its interpreter, far too slow to be a default, and the torch versions are exactly what the
+model computed before it had kernels, so CPU results stay bit-identical. `use_backend("triton")`
+forces the Triton kernels (on a CPU: in the interpreter, which the tests do), `use_backend("torch")`
+forces torch (on a GPU too).
 
 The Triton modules are imported on first use only: `import stage9_moe` never imports triton.
 """
@@ -27,17 +28,22 @@ from . import native
 BACKENDS = ("auto", "triton", "torch")
 _backend = "auto"
 
-__all__ = ["BACKENDS", "use_backend", "current_backend", "use_triton", "triton_unavailable_reason", "rmsnorm",
-           "fused_add_rmsnorm", "silu_and_mul", "rotary_embedding", "fused_moe_gate_up", "fused_moe_down"]
+__all__ = [
+    "BACKENDS", "use_backend", "current_backend", "use_triton", "triton_unavailable_reason",
+    "rmsnorm", "fused_add_rmsnorm", "silu_and_mul", "rotary_embedding", "fused_moe_gate_up",
+    "fused_moe_down"
+]
 
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    """Force one implementation inside the block, for the whole process (every thread, every model)."""
+    """Force one implementation inside the block, for the whole process (every thread, every
+    model)."""
     global _backend
     if name not in BACKENDS:
         raise ValueError(f"unknown kernel backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    if name == "triton" and (reason := triton_unavailable_reason(torch.device("cpu"), any_device=True)):
+    if name == "triton" and (reason := triton_unavailable_reason(torch.device("cpu"),
+                                                                 any_device=True)):
         raise RuntimeError(reason)
     old, _backend = _backend, name
     try:
@@ -52,12 +58,14 @@ def current_backend() -> str:
 
 @functools.lru_cache(maxsize=None)
 def triton_unavailable_reason(device: torch.device, any_device: bool = False) -> str | None:
-    """None if the Triton kernels can run on `device` (any_device: on some device), else a sentence saying why."""
+    """None if the Triton kernels can run on `device` (any_device: on some device), else a sentence
+    saying why."""
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed (pip install triton)"
     try:
         from . import triton_utils  # sets TRITON_INTERPRET=1 first when there is no CUDA GPU
-    except Exception as e:  # noqa: BLE001 — a broken install should read as "unavailable", not crash
+    # noqa: BLE001 — a broken install should read as "unavailable", not crash
+    except Exception as e:
         return f"triton failed to import ({type(e).__name__}: {e})"
     if any_device and torch.cuda.is_available():
         return None
@@ -111,7 +119,8 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 
 def moe_config(num_slots: int, num_experts: int, triton: bool) -> dict:
-    """Tile sizes of the fused MoE path (BLOCK_M is also the padding unit of moe_align_block_size)."""
+    """Tile sizes of the fused MoE path (BLOCK_M is also the padding unit of
+    moe_align_block_size)."""
     if triton:
         from .triton_moe import moe_config as triton_moe_config
 
@@ -119,21 +128,25 @@ def moe_config(num_slots: int, num_experts: int, triton: bool) -> dict:
     return dict(BLOCK_M=16 if num_slots <= num_experts else 64)
 
 
-def fused_moe_gate_up(x, w13, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k: int, config: dict,
-                      triton: bool) -> torch.Tensor:
-    """[M, H] hidden states -> [M * top_k, I] silu(gate) * up of each token slot under its expert."""
+def fused_moe_gate_up(x, w13, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k: int,
+                      config: dict, triton: bool) -> torch.Tensor:
+    """[M, H] hidden states -> [M * top_k, I] silu(gate) * up of each token slot under its
+    expert."""
     if triton:
         from .triton_moe import fused_moe_gate_up as triton_gate_up
 
-        return triton_gate_up(x, w13, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, config)
+        return triton_gate_up(x, w13, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
+                              config)
     return native.fused_moe_gate_up(x, w13, sorted_token_ids, expert_ids, top_k)
 
 
-def fused_moe_down(inter, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, config: dict,
-                   triton: bool) -> torch.Tensor:
-    """[M * top_k, I] -> [M * top_k, H]: each slot through its expert's down projection, times its routing weight."""
+def fused_moe_down(inter, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                   config: dict, triton: bool) -> torch.Tensor:
+    """[M * top_k, I] -> [M * top_k, H]: each slot through its expert's down projection, times its
+    routing weight."""
     if triton:
         from .triton_moe import fused_moe_down as triton_down
 
-        return triton_down(inter, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, config)
+        return triton_down(inter, w2, topk_weights, sorted_token_ids, expert_ids,
+                           num_tokens_post_padded, config)
     return native.fused_moe_down(inter, w2, topk_weights, sorted_token_ids, expert_ids)

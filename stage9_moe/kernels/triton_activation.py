@@ -1,9 +1,10 @@
 """SiLU-and-mul in Triton: [N, 2*d] (gate | up) -> silu(gate) * up, [N, d].
 
-Unfused, torch runs silu (reads gate, writes a temporary) and then the multiply (reads both, writes the result):
-two launches and an extra [N, d] round trip. Here each program reads a BLOCK of gate and the matching BLOCK of up,
-computes in float32 and writes once. The fused MoE kernel (triton_moe.py) goes one step further and applies the
-same activation inside its GEMM, so gate and up are never written at all.
+Unfused, torch runs silu (reads gate, writes a temporary) and then the multiply (reads both, writes
+the result): two launches and an extra [N, d] round trip. Here each program reads a BLOCK of gate
+and the matching BLOCK of up, computes in float32 and writes once. The fused MoE kernel
+(triton_moe.py) goes one step further and applies the same activation inside its GEMM, so gate and
+up are never written at all.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def _silu_and_mul_kernel(X, Y, stride_x, stride_y, d, BLOCK: tl.constexpr):
     mask = offs < d
     gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(X + row * stride_x + d + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + offs, gate * tl.sigmoid(gate) * up, mask=mask)  # silu(g) = g * sigmoid(g)
+    # silu(g) = g * sigmoid(g)
+    tl.store(Y + row * stride_y + offs, gate * tl.sigmoid(gate) * up, mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -36,5 +38,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     y = empty_out((x2.shape[0], d), x.dtype, x.device)
     if x2.shape[0] and d:
         block = min(BLOCK, triton.next_power_of_2(d))
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, y, x2.stride(0), y.stride(0), d, BLOCK=block)
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, y, x2.stride(0), y.stride(0),
+                                                                   d, BLOCK=block)
     return (y.to(x.dtype) if INTERPRET else y).view(*x.shape[:-1], d)

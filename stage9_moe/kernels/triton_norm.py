@@ -4,21 +4,31 @@ In every decoder layer the residual stream is added to and then normalised, twic
 
     residual = residual + attn_out;  h = rmsnorm(residual)      (and again around the MLP)
 
-Unfused that is two kernels and three trips through memory for a [N, hidden] tensor (the add reads two and writes
-one, the norm reads it back). The fused kernel reads x and the residual once, writes the new residual and the
-normalised row: one launch, and the sum never makes the round trip. One program normalises one row: the row fits
-in one tile (BLOCK_D = next power of two >= hidden), so the mean of squares is a single tl.sum.
+Unfused that is two kernels and three trips through memory for a [N, hidden] tensor (the add reads
+two and writes one, the norm reads it back). The fused kernel reads x and the residual once, writes
+the new residual and the normalised row: one launch, and the sum never makes the round trip. One
+program normalises one row: the row fits in one tile (BLOCK_D = next power of two >= hidden), so the
+mean of squares is a single tl.sum.
 
-Numerics follow transformers: the sum is rounded to the model dtype before it is normalised (the residual stream
-*is* stored in that dtype), the norm is computed in float32, rounded, then multiplied by the weight.
+Numerics follow transformers: the sum is rounded to the model dtype before it is normalised (the
+residual stream *is* stored in that dtype), the norm is computed in float32, rounded, then
+multiplied by the weight.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .triton_utils import INTERPRET, check_runnable, empty_out, num_warps_for, round_to, row_block, tl, triton
-
+from .triton_utils import (
+    INTERPRET,
+    check_runnable,
+    empty_out,
+    num_warps_for,
+    round_to,
+    row_block,
+    tl,
+    triton,
+)
 
 @triton.jit
 def _rmsnorm_kernel(
@@ -42,7 +52,8 @@ def _rmsnorm_kernel(
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    t2 = t.reshape(-1, t.shape[-1])  # a view when it can be (q from the merged qkv is not: then a copy)
+    # a view when it can be (q from the merged qkv is not: then a copy)
+    t2 = t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
@@ -57,9 +68,10 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     r_out = empty_out(x2.shape, x.dtype, x.device) if residual is not None else y
     if x2.shape[0]:
         BLOCK_D = row_block(D)
-        _rmsnorm_kernel[(x2.shape[0],)](
-            x2, r2, weight, y, r_out, x2.stride(0), r2.stride(0), y.stride(0), r_out.stride(0), D, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK_D=BLOCK_D, num_warps=num_warps_for(BLOCK_D))
+        _rmsnorm_kernel[(x2.shape[0], )](x2, r2, weight, y, r_out, x2.stride(0), r2.stride(0),
+                                         y.stride(0), r_out.stride(0), D, eps, HAS_RESIDUAL=residual
+                                         is not None, BLOCK_D=BLOCK_D,
+                                         num_warps=num_warps_for(BLOCK_D))
     if INTERPRET:  # float32 buffers: torch rounds (the interpreter's own bf16 store would truncate)
         y, r_out = y.to(x.dtype), r_out.to(x.dtype)
     return y.view(x.shape), r_out.view(x.shape)

@@ -1,12 +1,15 @@
-"""Rotary embedding (neox style, as layers.RotaryEmbedding) in Triton: q and k of one token per program.
+"""Rotary embedding (neox style, as layers.RotaryEmbedding) in Triton: q and k of one token per
+program.
 
-The torch version builds [N, D] cos and sin tables, a rotate_half copy of q and of k, and four products: about ten
-kernels and several [N, H, D] temporaries per layer. Here one program loads its token's position, computes the D/2
-angles position * inv_freq in float32 (no table in memory), and rotates every head of q and k in registers:
+The torch version builds [N, D] cos and sin tables, a rotate_half copy of q and of k, and four
+products: about ten kernels and several [N, H, D] temporaries per layer. Here one program loads its
+token's position, computes the D/2 angles position * inv_freq in float32 (no table in memory), and
+rotates every head of q and k in registers:
 
     out[:D/2] = x[:D/2] * cos - x[D/2:] * sin        out[D/2:] = x[D/2:] * cos + x[:D/2] * sin
 
-cos and sin are rounded to the model dtype first, as the torch version does; the rest is float32, rounded once.
+cos and sin are rounded to the model dtype first, as the torch version does; the rest is float32,
+rounded once.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from .triton_utils import INTERPRET, check_runnable, empty_out, round_to, tl, tr
 
 
 @triton.jit
-def _rotate_heads(X, Xo, n, stride_n, stride_h, stride_on, stride_oh, num_heads, cos, sin, offs_d, mask_d,
-                  HALF, BLOCK_H: tl.constexpr):
+def _rotate_heads(X, Xo, n, stride_n, stride_h, stride_on, stride_oh, num_heads, cos, sin, offs_d,
+                  mask_d, HALF, BLOCK_H: tl.constexpr):
     offs_h = tl.arange(0, BLOCK_H)
     mask = (offs_h < num_heads)[:, None] & mask_d[None, :]  # [BLOCK_H, BLOCK_HALF]
     first = X + n * stride_n + offs_h[:, None] * stride_h + offs_d[None, :]
@@ -31,7 +34,8 @@ def _rotate_heads(X, Xo, n, stride_n, stride_h, stride_on, stride_oh, num_heads,
 
 @triton.jit
 def _rope_kernel(
-    Pos, InvFreq, Q, K, Qo, Ko,  # positions [N] int64; inv_freq [D/2] float32; q/out [N, H, D]; k/out [N, KVH, D]
+    # positions [N] int64; inv_freq [D/2] float32; q/out [N, H, D]; k/out [N, KVH, D]
+    Pos, InvFreq, Q, K, Qo, Ko,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_qon, stride_qoh, stride_kon, stride_koh,
     H, KVH, HALF,
     BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -39,17 +43,21 @@ def _rope_kernel(
     n = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask_d = offs_d < HALF
-    angle = tl.load(Pos + n).to(tl.float32) * tl.load(InvFreq + offs_d, mask=mask_d, other=0.0)  # [BLOCK_HALF]
-    cos = round_to(tl.cos(angle), Q.dtype.element_ty)  # rounded to the model dtype, as the torch version does
+    # [BLOCK_HALF]
+    angle = tl.load(Pos + n).to(tl.float32) * tl.load(InvFreq + offs_d, mask=mask_d, other=0.0)
+    # rounded to the model dtype, as the torch version does
+    cos = round_to(tl.cos(angle), Q.dtype.element_ty)
     sin = round_to(tl.sin(angle), Q.dtype.element_ty)
-    _rotate_heads(Q, Qo, n, stride_qn, stride_qh, stride_qon, stride_qoh, H, cos, sin, offs_d, mask_d, HALF, BLOCK_H)
-    _rotate_heads(K, Ko, n, stride_kn, stride_kh, stride_kon, stride_koh, KVH, cos, sin, offs_d, mask_d, HALF,
-                  BLOCK_KVH)
+    _rotate_heads(Q, Qo, n, stride_qn, stride_qh, stride_qon, stride_qoh, H, cos, sin, offs_d,
+                  mask_d, HALF, BLOCK_H)
+    _rotate_heads(K, Ko, n, stride_kn, stride_kh, stride_kon, stride_koh, KVH, cos, sin, offs_d,
+                  mask_d, HALF, BLOCK_KVH)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: [N]; q: [N, H, D]; k: [N, KVH, D] (any strides, last dim contiguous) -> new rotated q, k."""
+    """positions: [N]; q: [N, H, D]; k: [N, KVH, D] (any strides, last dim contiguous) -> new
+    rotated q, k."""
     check_runnable(q, k)
     N, H, D = q.shape
     KVH = k.shape[1]
@@ -62,10 +70,10 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         k = k.contiguous()
     q_out, k_out = empty_out(q.shape, q.dtype, q.device), empty_out(k.shape, k.dtype, k.device)
     if N:
-        _rope_kernel[(N,)](
-            positions, inv_freq.float(), q, k, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), H, KVH, D // 2,
-            BLOCK_H=triton.next_power_of_2(H), BLOCK_KVH=triton.next_power_of_2(KVH),
+        _rope_kernel[(N, )](
+            positions, inv_freq.float(), q, k, q_out, k_out, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), H, KVH,
+            D // 2, BLOCK_H=triton.next_power_of_2(H), BLOCK_KVH=triton.next_power_of_2(KVH),
             BLOCK_HALF=triton.next_power_of_2(D // 2), num_warps=4)
     if INTERPRET:
         q_out, k_out = q_out.to(q.dtype), k_out.to(k.dtype)

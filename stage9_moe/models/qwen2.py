@@ -1,7 +1,8 @@
 """Qwen2 = Llama + a bias on the q, k and v projections (never on o).
 
-config.json does not say so: transformers' Qwen2Attention hard-codes bias=True for q/k/v, and so does this class.
-Everything else (GQA, RoPE, SwiGLU, RMSNorm, tied embeddings in the small sizes) is the shared decoder.
+config.json does not say so: transformers' Qwen2Attention hard-codes bias=True for q/k/v, and so
+does this class. Everything else (GQA, RoPE, SwiGLU, RMSNorm, tied embeddings in the small sizes) is
+the shared decoder.
 """
 
 from __future__ import annotations

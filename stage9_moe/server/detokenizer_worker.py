@@ -1,15 +1,18 @@
 """The detokenizer worker: token ids in, text deltas out (SGLang's DetokenizerManager).
 
-    scheduler ──BatchTokenIDOut──▶ [one IncrementalDetokenizer per request] ──BatchStrOut──▶ API server
+    scheduler ──BatchTokenIDOut──▶ [one IncrementalDetokenizer per request] ──BatchStrOut──▶ API
+        server
 
-Why a process of its own: decoding is per token and per request, a few tokenizer calls each, every step. In the
-scheduler it would add that to every step's host time; in the API server it would compete with the event loop
-that writes every client's stream. Here it runs while the scheduler computes the next step.
+Why a process of its own: decoding is per token and per request, a few tokenizer calls each, every
+step. In the scheduler it would add that to every step's host time; in the API server it would
+compete with the event loop that writes every client's stream. Here it runs while the scheduler
+computes the next step.
 
-Each request's IncrementalDetokenizer (the stage's detokenizer.py, unchanged) emits only complete UTF-8
-characters and holds back text that may be the start of a stop string. The scheduler decides that a request
-stopped (it checks stop strings with its own detokenizer state); this process sees the same tokens, finds the same
-match and trims the text there, so neither the stop string nor anything after it reaches the client.
+Each request's IncrementalDetokenizer (the stage's detokenizer.py, unchanged) emits only complete
+UTF-8 characters and holds back text that may be the start of a stop string. The scheduler decides
+that a request stopped (it checks stop strings with its own detokenizer state); this process sees
+the same tokens, finds the same match and trims the text there, so neither the stop string nor
+anything after it reaches the client.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ logger = logging.getLogger(__name__)
 class DetokenizerWorker:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self.states: dict[int, IncrementalDetokenizer] = {}  # rid -> decoding state, until it finishes
+        # rid -> decoding state, until it finishes
+        self.states: dict[int, IncrementalDetokenizer] = {}
 
     def handle(self, batch: BatchTokenIDOut) -> BatchStrOut:
         outputs = []
@@ -46,7 +50,8 @@ class DetokenizerWorker:
             return out
         state = self.states.get(out.rid)
         if state is None:
-            state = self.states[out.rid] = IncrementalDetokenizer(self.tokenizer, out.stop_strings or [])
+            state = self.states[out.rid] = IncrementalDetokenizer(self.tokenizer,
+                                                                  out.stop_strings or [])
         for token_id in out.token_ids:
             state.add(token_id)  # a stop string found here is the one the scheduler stopped at
         out.text = state.take_delta(final=out.finished)
@@ -58,7 +63,8 @@ class DetokenizerWorker:
         return out
 
     def token_text(self, token_id: int) -> str:
-        """One token alone, as OpenAI's logprobs show it (may be a fragment of a multi-byte character)."""
+        """One token alone, as OpenAI's logprobs show it (may be a fragment of a multi-byte
+        character)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 

@@ -1,9 +1,11 @@
-"""The API server's end of the sockets: send requests to the tokenizer worker, route every output back to the HTTP
-handler waiting for it (the part of SGLang's TokenizerManager that talks to the engine).
+"""The API server's end of the sockets: send requests to the tokenizer worker, route every output
+back to the HTTP handler waiting for it (the part of SGLang's TokenizerManager that talks to the
+engine).
 
-One background task reads the API server's inbox (text outputs from the detokenizer, refusals from the tokenizer
-worker, control replies from the scheduler) and puts each output on the queue of the request it belongs to. An
-HTTP handler never touches a socket's receiving end: it awaits its own queue.
+One background task reads the API server's inbox (text outputs from the detokenizer, refusals from
+the tokenizer worker, control replies from the scheduler) and puts each output on the queue of the
+request it belongs to. An HTTP handler never touches a socket's receiving end: it awaits its own
+queue.
 """
 
 from __future__ import annotations
@@ -15,7 +17,15 @@ import logging
 import zmq
 import zmq.asyncio
 
-from .messages import AbortReq, BatchStrOut, ControlOut, ControlReq, GenerateReqInput, PortArgs, ReqOutput
+from .messages import (
+    AbortReq,
+    BatchStrOut,
+    ControlOut,
+    ControlReq,
+    GenerateReqInput,
+    PortArgs,
+    ReqOutput,
+)
 from .protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -29,7 +39,8 @@ class Disconnected(Exception):
 
 
 class RequestHandle:
-    """The requests of one HTTP call (n copies of each of its prompts) and the queue their outputs arrive on."""
+    """The requests of one HTTP call (n copies of each of its prompts) and the queue their outputs
+    arrive on."""
 
     def __init__(self, client: "EngineClient"):
         self.client = client
@@ -42,7 +53,8 @@ class RequestHandle:
         return not self.unfinished
 
     async def next(self) -> tuple[int, ReqOutput]:
-        """(choice index, output). A refused request raises APIError (400), after the others were aborted."""
+        """(choice index, output). A refused request raises APIError (400), after the others were
+        aborted."""
         out = await self.queue.get()
         if isinstance(out, BaseException):
             raise out
@@ -77,7 +89,8 @@ class EngineClient:
         self.to_tokenizer.connect(ports.tokenizer_ipc_name)
         self.recv = self.ctx.socket(zmq.PULL)
         self.recv.bind(ports.api_ipc_name)
-        self.handles: dict[int, RequestHandle] = {}  # rid -> the handle of the HTTP call it belongs to
+        # rid -> the handle of the HTTP call it belongs to
+        self.handles: dict[int, RequestHandle] = {}
         self.controls: dict[int, asyncio.Future] = {}
         self.ids = itertools.count()  # rids and control ids: unique for the server's life
         self.dead: str | None = None  # why the engine cannot answer any more (a process died)
@@ -110,11 +123,12 @@ class EngineClient:
         else:
             logger.error("API server: unexpected message %s", type(msg).__name__)
 
-    async def generate(self, prompts: list[dict], sampling_params: dict, n: int = 1, return_logprob: bool = False,
-                       top_logprobs_num: int = 0, **options) -> RequestHandle:
-        """prompts: GenerateReqInput fields of each prompt ({"text"}, {"input_ids"} or {"messages"}). Choice
-        index = prompt index * n + copy, as OpenAI numbers them. options: GenerateReqInput's other
-        fields (logprob_start_len, echo)."""
+    async def generate(self, prompts: list[dict], sampling_params: dict, n: int = 1,
+                       return_logprob: bool = False, top_logprobs_num: int = 0,
+                       **options) -> RequestHandle:
+        """prompts: GenerateReqInput fields of each prompt ({"text"}, {"input_ids"} or
+        {"messages"}). Choice index = prompt index * n + copy, as OpenAI numbers them. options:
+        GenerateReqInput's other fields (logprob_start_len, echo)."""
         self.check_alive()
         handle = RequestHandle(self)
         for prompt in prompts:
@@ -134,7 +148,8 @@ class EngineClient:
                 await self.to_tokenizer.send_pyobj(AbortReq(rid))
 
     async def control(self, kind: str, check_integrity: bool = False) -> dict:
-        """Ask the scheduler ("status", "flush_cache"); its reply comes straight back on our inbox."""
+        """Ask the scheduler ("status", "flush_cache"); its reply comes straight back on our
+        inbox."""
         self.check_alive()
         req_id = next(self.ids)
         future = self.controls[req_id] = asyncio.get_running_loop().create_future()
@@ -143,7 +158,9 @@ class EngineClient:
             return await asyncio.wait_for(future, CONTROL_TIMEOUT_S)
         except asyncio.TimeoutError:
             self.controls.pop(req_id, None)
-            raise APIError(503, f"the scheduler did not answer {kind!r} within {CONTROL_TIMEOUT_S:.0f} s") from None
+            raise APIError(
+                503,
+                f"the scheduler did not answer {kind!r} within {CONTROL_TIMEOUT_S:.0f} s") from None
 
     def check_alive(self) -> None:
         if self.dead is not None:
@@ -154,12 +171,14 @@ class EngineClient:
         (a stream: an error event and [DONE]), instead of waiting forever; nothing more is sent."""
         self.dead = reason
         for rid, handle in list(self.handles.items()):
-            handle.queue.put_nowait(ReqOutput(rid, finished=True, finish_reason="error",
-                                              error=f"the engine stopped: {reason}", error_code="engine_dead"))
+            handle.queue.put_nowait(
+                ReqOutput(rid, finished=True, finish_reason="error",
+                          error=f"the engine stopped: {reason}", error_code="engine_dead"))
         self.handles.clear()
         for future in self.controls.values():
             if not future.done():
-                future.set_exception(APIError(503, f"the engine stopped: {reason}", code="engine_dead"))
+                future.set_exception(
+                    APIError(503, f"the engine stopped: {reason}", code="engine_dead"))
 
     def close(self) -> None:
         if self.task is not None:

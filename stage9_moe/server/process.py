@@ -1,4 +1,5 @@
-"""What every child process of the server does the same way: start, say it is ready, notice its parent is gone."""
+"""What every child process of the server does the same way: start, say it is ready, notice its
+parent is gone."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ POLL_TIMEOUT_MS = 500  # an idle process wakes this often to check that its pare
 class ChildProcess:
     """Set up at the top of a child's entry point.
 
-    - SIGINT is ignored: Ctrl-C reaches every process of the terminal's group, and the launcher, not each child,
-      decides the order of shutdown (it sends SIGTERM, which exits through SystemExit, so cleanups run).
-    - No orphans: on Linux the kernel kills the child when its parent dies (PR_SET_PDEATHSIG, as SGLang does);
-      everywhere, the child's loop checks `parent_alive()` at least every POLL_TIMEOUT_MS.
+    - SIGINT is ignored: Ctrl-C reaches every process of the terminal's group, and the launcher, not
+      each child, decides the order of shutdown (it sends SIGTERM, which exits through SystemExit,
+      so cleanups run).
+    - No orphans: on Linux the kernel kills the child when its parent dies (PR_SET_PDEATHSIG, as
+      SGLang does); everywhere, the child's loop checks `parent_alive()` at least every
+      POLL_TIMEOUT_MS.
     """
 
     def __init__(self, name: str, ready_conn):
@@ -34,13 +37,14 @@ class ChildProcess:
         return os.getppid() == self.parent_pid
 
     def ready(self, info=None) -> None:
-        """The handshake: the launcher waits for this before it starts the next process or serves."""
+        """The handshake: the launcher waits for this before it starts the next process or
+        serves."""
         self.ready_conn.send(("ready", info))
         self.ready_conn.close()
 
     def failed(self) -> None:
-        """Startup failed (call it in an `except` block): send the traceback to the launcher, which prints it and
-        stops the server, and exit with status 1."""
+        """Startup failed (call it in an `except` block): send the traceback to the launcher, which
+        prints it and stops the server, and exit with status 1."""
         try:
             self.ready_conn.send(("failed", traceback.format_exc()))
         except OSError:  # the launcher is gone already: say it here
@@ -49,8 +53,8 @@ class ChildProcess:
 
 
 def open_sockets(bind: str, *connect: str) -> tuple[zmq.Socket, ...]:
-    """A child's sockets: a PULL socket bound at `bind` (its inbox), then one PUSH socket per address in `connect`
-    (the inboxes it sends to), in that order."""
+    """A child's sockets: a PULL socket bound at `bind` (its inbox), then one PUSH socket per
+    address in `connect` (the inboxes it sends to), in that order."""
     ctx = zmq.Context()
     ctx.setsockopt(zmq.LINGER, 0)  # at exit, drop unsent messages: a dead peer must not block it
     recv = ctx.socket(zmq.PULL)
