@@ -67,8 +67,9 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         # Replay writes each new output back into the tensor captured here. Outputs in an input's storage (views,
         # in-place results) need no write-back: the op itself writes the captured memory.
+        # (a weight packed into oneDNN's layout is an opaque tensor without a storage: never an output)
         inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
+                  if isinstance(t, torch.Tensor) and not t.is_mkldnn}
         fresh = [(i, t) for i, t in enumerate(tree_flatten(out)[0])
                  if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs]
         self.graph.ops.append(("aten", func, args, kwargs, fresh))

@@ -27,6 +27,7 @@ from .attention import ForwardBatch, create_backend
 from .core import Batch
 from .graph import CompiledRunner, GraphRunner, can_capture
 from .kv_cache import PageTable, PagedKVPool
+from .layers import pack_linear_weights
 from .models import ModelConfig, build_model
 from .tokenizer import read_eos_token_ids
 from .weights import load_weights
@@ -224,6 +225,8 @@ class Engine:
         self.model = build_model(config, self.device, dtype)
         self.config = cfg = self.model.config  # the family's view (e.g. Qwen2 adds qkv_bias)
         self.load_stats = load_weights(self.model, model_path, progress=progress)
+        # On a CPU, oneDNN's layout for every matmul weight (layers.py): the same products, faster
+        self.packed_weights = pack_linear_weights(self.model)
 
         # The KV pool is sized once, after the weights are in memory: every page any request will
         # ever use is here.

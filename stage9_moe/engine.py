@@ -28,6 +28,7 @@ from .attention import ForwardBatch, create_backend
 from .core import Batch
 from .graph import CompiledRunner, GraphRunner, can_capture
 from .kv_cache import PageTable, PagedKVPool
+from .layers import pack_linear_weights
 from .models import ModelConfig, build_model, replicated_bytes
 from .moe import set_moe_runner_backend
 from .tokenizer import read_eos_token_ids
@@ -245,6 +246,8 @@ class Engine:
             self.load_stats = load_dummy_weights(self.model)
         else:
             self.load_stats = load_weights(self.model, model_path, progress=progress)
+        # On a CPU, oneDNN's layout for every matmul weight (layers.py): the same products, faster
+        self.packed_weights = pack_linear_weights(self.model)
 
         # The KV pool is sized once, after the weights are in memory: every page any request will
         # ever use is here. Each rank holds only its KV heads; all ranks must hold the same number

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import ForwardBatch
-from ..layers import Embedding, Linear, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding, linear
+from ..layers import Embedding, Linear, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding
 from .config import ModelConfig
 
 
@@ -150,4 +150,5 @@ class LlamaForCausalLM(nn.Module):
         # Sampling reads float32 logits whatever the weights' dtype (as transformers' generate
         # does): a bfloat16 logit has 8 bits of mantissa, too few to tell close candidates apart in
         # a softmax.
-        return linear(x, self.lm_head.weight).float()  # [B, vocab]
+        head = self.lm_head
+        return (head.logits(x) if isinstance(head, Embedding) else head(x)).float()  # [B, vocab]
