@@ -229,10 +229,10 @@ def print_peer_table(rows: list[dict], output_tokens: int, batch1_tokens: int, b
         same_off = "-" if not off else \
             f"{sum(a == b for a, b in zip(off['token_ids'], ref['offline']['token_ids']))}/{len(off['token_ids'])}"
         same_b1 = r["batch1"]["token_ids"] == ref["batch1"]["token_ids"]
-        fmt = lambda x, spec: format(x, spec) if x is not None else "-"  # noqa: E731
-        print(f"   {r['system']:24s} {r['dtype']:9s} {fmt(tps, '13.1f')} "
-              f"{fmt(tps / peer_tps if tps and peer_tps else None, '7.2f')}x {b1:13.1f} "
-              f"{fmt(b1 / peer_b1 if peer_b1 else None, '7.2f')}x {limit:15.1f} {b1 / limit:7.2f}x  "
+        cell = lambda x, width: f"{x:{width}.1f}" if x is not None else f"{'-':>{width}s}"  # noqa: E731
+        ratio = lambda a, b: f"{a / b:7.2f}x" if a and b else f"{'-':>8s}"  # noqa: E731
+        print(f"   {r['system']:24s} {r['dtype']:9s} {cell(tps, 13)} {ratio(tps, peer_tps)} {b1:13.1f} "
+              f"{ratio(b1, peer_b1)} {limit:15.1f} {b1 / limit:7.2f}x  "
               f"{same_off}, {'identical' if same_b1 else 'differ'}")
     print(f"   bandwidth limit: tokens/s if a decode step only read the weights once at the copy bandwidth "
           f"({bandwidth / 1e9:.1f} GB/s / weight bytes per token); tokens compared with the course's last stage "
