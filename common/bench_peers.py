@@ -189,12 +189,12 @@ def bench_peers(args) -> None:
     rows: list[dict] = []
     for dtype in args.dtypes:
         for stage_name in args.stages:
-            options = {"attention_backend": "torch", "max_running_requests": args.num_requests}
+            options = {"attention_backend": args.attention_backend, "max_running_requests": args.num_requests}
             if stage_name >= "stage5" and not args.no_compile:  # stage 5's CPU stand-in for CUDA graphs
                 options["enable_torch_compile"] = True
             start = time.perf_counter()
             r = run_course(stage_name, path, dtype, work, batch1, args.repeats, options)
-            label = stage_name + (" +compile" if options.get("enable_torch_compile") else "")
+            label = f"{stage_name} {args.attention_backend}" + (" +compile" if options.get("enable_torch_compile") else "")
             rows.append({"system": label, "dtype": dtype, **r})
             print(f"   {label} {dtype}: done ({time.perf_counter() - start:.0f} s with start-up)", flush=True)
         for peer in args.peers:
@@ -215,7 +215,7 @@ def bench_peers(args) -> None:
 def print_peer_table(rows: list[dict], output_tokens: int, batch1_tokens: int, bandwidth: float) -> None:
     ours = {r["dtype"]: r for r in rows if r["system"].startswith("stage")}  # the last stage listed, per dtype
     vllm = {r["dtype"]: r for r in rows if r["system"] == "vllm"}
-    print(f"   {'system':24s} {'dtype':9s} {'offline tok/s':>13s} {'vs vLLM':>8s} {'batch-1 tok/s':>13s} "
+    print(f"   {'system':30s} {'dtype':9s} {'offline tok/s':>13s} {'vs vLLM':>8s} {'batch-1 tok/s':>13s} "
           f"{'vs vLLM':>8s} {'bandwidth limit':>15s} {'of limit':>8s}  same tokens as ours (offline, batch-1)")
     for r in rows:
         off = r.get("offline")
@@ -231,7 +231,7 @@ def print_peer_table(rows: list[dict], output_tokens: int, batch1_tokens: int, b
         same_b1 = r["batch1"]["token_ids"] == ref["batch1"]["token_ids"]
         cell = lambda x, width: f"{x:{width}.1f}" if x is not None else f"{'-':>{width}s}"  # noqa: E731
         ratio = lambda a, b: f"{a / b:7.2f}x" if a and b else f"{'-':>8s}"  # noqa: E731
-        print(f"   {r['system']:24s} {r['dtype']:9s} {cell(tps, 13)} {ratio(tps, peer_tps)} {b1:13.1f} "
+        print(f"   {r['system']:30s} {r['dtype']:9s} {cell(tps, 13)} {ratio(tps, peer_tps)} {b1:13.1f} "
               f"{ratio(b1, peer_b1)} {limit:15.1f} {b1 / limit:7.2f}x  "
               f"{same_off}, {'identical' if same_b1 else 'differ'}")
     print(f"   bandwidth limit: tokens/s if a decode step only read the weights once at the copy bandwidth "

@@ -47,8 +47,9 @@ class ServerArgs:
     dtype: str | torch.dtype = option(
         "float32", "weights and KV cache dtype, converted at load; auto = the "
         "checkpoint's own", choices=DTYPES)
-    attention_backend: str | None = option(None, "default: triton on CUDA, torch on CPU",
-                                           choices=BACKENDS)
+    attention_backend: str | None = option(
+        None, "default: triton on CUDA, torch on CPU (cpu: C++ decode kernels, built on first use)",
+        choices=BACKENDS)
 
     # Memory: the KV pool (engine.plan_kv_pool)
     max_total_tokens: int | None = option(None,

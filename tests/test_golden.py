@@ -110,3 +110,26 @@ def test_golden_smollm2_with_compiled_decode():
     assert not problems, "compiled decode on smollm2:\n" + "\n".join(problems)
     decode_steps = sum(len(r.token_ids) - 1 for r in results)
     assert llm.engine.num_graph_replays == decode_steps and llm.engine.num_eager_forwards == len(results)
+
+
+CPU_ATTENTION_STAGES = [s for s in STAGES if stage_number(s) >= 4]  # the "cpu" attention backend, from stage 4
+
+
+@pytest.mark.parametrize("stage_name", CPU_ATTENTION_STAGES)
+def test_golden_smollm2_with_cpu_attention_backend(stage_name: str):
+    """The "cpu" backend's decode reads the paged cache in place (C++ kernels, another summation order than SDPA's):
+    float32 still gives the reference's tokens, and in stage 4 bfloat16 stays within the bfloat16 tie rule."""
+    stage = importlib.import_module(stage_name)
+    if "cpu" not in importlib.import_module(f"{stage_name}.attention").available_backends("cpu"):
+        pytest.skip("the cpu attention backend did not build here (no C++ compiler?)")
+    for dtype in ("float32", "bfloat16") if stage_number(stage_name) == 4 else ("float32",):
+        golden = load_golden("smollm2-135m-instruct", *([] if dtype == "float32" else [dtype]))
+        llm = stage.LLM(str(resolve_model("smollm2-135m-instruct")), device="cpu", dtype=dtype, verbose=False,
+                        attention_backend="cpu")
+        assert llm.engine.attn_backend.name == "cpu"
+        results = llm.generate([c["prompt"] for c in golden["cases"]],
+                               stage.SamplingParams(max_new_tokens=golden["max_new_tokens"], temperature=0.0))
+        problems = failures(results, golden)
+        assert not problems, f"{stage_name}, cpu attention backend, {dtype}:\n" + "\n".join(problems)
+        if hasattr(llm, "close"):
+            llm.close()

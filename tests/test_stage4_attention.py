@@ -485,11 +485,60 @@ def test_triton_backend_runs_on_cpu_in_a_fresh_process():
     assert "ok TritonBackend" in res.stdout
 
 
+# ---------------------------------------------------------------- the cpu backend's C++ decode against torch
+
+
+@pytest.fixture(scope="module")
+def cpu_backend():
+    """The cpu backend (its kernels built on first use), or a clean skip where they cannot build."""
+    if "cpu" not in available_backends("cpu"):
+        from stage4_scheduler.attention import _unavailable_reason
+
+        pytest.skip(_unavailable_reason("cpu", torch.device("cpu")))
+    return create_backend("cpu", "cpu")
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group, KVH, D, page_size, splits, lens", PAGED_DECODE_CASES,
+                         ids=[f"group{c[0]}-d{c[2]}-page{c[3]}-b{len(c[5])}" for c in PAGED_DECODE_CASES])
+def test_cpu_decode_matches_torch(cpu_backend, group, KVH, D, page_size, splits, lens, dtype, tol):
+    # The Triton cases' shapes: page boundaries, 1-key requests, a strided pool (page_major) and a strided q; a
+    # seq_len 0 row (a graph's padding) gives zeros instead of reading its page-table row.
+    H = group * KVH
+    d = paged_batch([(max(n, 1) - 1, 1) for n in lens], H, KVH, D, page_size, phase="decode", dtype=dtype,
+                    page_major=(group % 2 == 1), q_view=(group == 2))
+    out = run(cpu_backend, d, D**-0.5)
+    assert d["fb"].attn_metadata is None  # decode needs no host-side layout: the kernels read the page table
+    ref = run(TorchBackend(), d, D**-0.5)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert max_err(out, ref) < tol
+    fb = d["fb"]
+    fb.seq_lens = torch.tensor(lens, dtype=torch.int32)
+    live = [i for i, n in enumerate(lens) if n > 0]
+    padded = cpu_backend.decode(d["q"], d["k_cache"], d["v_cache"], fb, D**-0.5)
+    assert torch.equal(padded[live], out[live]) and not padded[[i for i in range(len(lens)) if lens[i] == 0]].any()
+
+
+def test_cpu_prefill_is_the_torch_backends(cpu_backend):
+    d = paged_batch(extend_reqs(4), 6, 2, 16, 4)
+    assert torch.equal(run(cpu_backend, d, 0.25), run(TorchBackend(), d, 0.25))
+
+
+def test_cpu_backend_refuses_what_its_kernels_cannot_read(cpu_backend):
+    d = paged_batch(decode_reqs(4), 4, 2, 16, 4, phase="decode")
+    fb = d["fb"]
+    fb.page_table = fb.page_table.long()
+    with pytest.raises(RuntimeError, match="int32"):
+        run(cpu_backend, d, 0.25)
+    with pytest.raises(ValueError, match="kernels run on a CPU, got meta"):
+        create_backend("cpu", "meta")
+
+
 # ---------------------------------------------------------------- choosing a backend; flash_attn's limits
 
 
 def test_create_backend_choices_and_errors():
-    assert BACKENDS == ("torch", "triton", "flash_attn")
+    assert BACKENDS == ("torch", "cpu", "triton", "flash_attn")
     assert default_backend("cpu") == "torch"
     assert create_backend(None, "cpu").name == "torch"
     assert "torch" in available_backends("cpu") and "flash_attn" not in available_backends("cpu")
