@@ -1,4 +1,5 @@
-"""The CPU backend: the torch backend's prefill, and a decode that reads the paged KV cache in place.
+"""The CPU backend: the torch backend's prefill, and a decode that reads the paged KV cache in
+place.
 
 The torch backend's decode copies every request's keys and values out of the pool (`index_select`
 through `kv_indices`) into dense groups, and SDPA then reads the copies: each K/V row is read twice
