@@ -194,7 +194,8 @@ def bench_peers(args) -> None:
                 options["enable_torch_compile"] = True
             start = time.perf_counter()
             r = run_course(stage_name, path, dtype, work, batch1, args.repeats, options)
-            label = f"{stage_name} {args.attention_backend}" + (" +compile" if options.get("enable_torch_compile") else "")
+            compiled = " +compile" if options.get("enable_torch_compile") else ""
+            label = f"{stage_name} {args.attention_backend}{compiled}"
             rows.append({"system": label, "dtype": dtype, **r})
             print(f"   {label} {dtype}: done ({time.perf_counter() - start:.0f} s with start-up)", flush=True)
         for peer in args.peers:

@@ -101,8 +101,8 @@ def bench_profile(args) -> None:
     stage = importlib.import_module(args.stage)
     llm = stage.LLM(path, dtype=args.dtype, attention_backend=args.attention_backend,
                     max_running_requests=max(args.num_requests, 1), verbose=False, **options)
-    header(f"profile: {args.stage} {args.dtype} {args.attention_backend} backend {options or ''}, {args.workload} ({len(work.prompts)} requests, "
-           f"{work.output_tokens} output tokens)")
+    header(f"profile: {args.stage} {args.dtype} {args.attention_backend} backend {options or ''}, {args.workload} "
+           f"({len(work.prompts)} requests, {work.output_tokens} output tokens)")
     run_stage(args.stage, llm, warm_up(work))
     totals = instrument(args.stage, llm)
     steps = {"n": 0}

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .base import ForwardBatch
-from .torch_backend import TorchAttnMetadata, TorchBackend, build_kv_indices
+from .torch_backend import TorchBackend
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _kernels: list = []  # the built module, once
@@ -88,9 +88,8 @@ class CpuBackend(TorchBackend):
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.phase == "decode":  # the kernels read the page table themselves
             fb.attn_metadata = None
-            return
-        kv_indptr, kv_indices = build_kv_indices(fb)  # prefill: the torch backend's layout
-        fb.attn_metadata = TorchAttnMetadata(kv_indptr, kv_indices)
+        else:  # prefill: the torch backend's layout
+            super().init_forward_metadata(fb)
 
     def decode(self, q, k_cache, v_cache, fb: ForwardBatch, scale):
         return paged_decode_attention(q, k_cache, v_cache, fb.page_table, fb.req_rows,

@@ -15,7 +15,6 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
