@@ -6,7 +6,9 @@
 For each shape: build a random-weight bf16 checkpoint on the GPU (transformers, saved as safetensors), load it into
 stage 5, and measure
   - decode step time with CUDA graphs on and off (overlap on), per batch size;
-  - device utilisation during decode: device-busy time / wall time over the decode steps (1.0: never idle);
+  - device utilisation during decode: the time some kernel is running on the GPU (torch.profiler's kernel
+    records, overlapping ones counted once) / wall time, over as many further steps (1.0: never idle; without
+    graphs the GPU waits for each launch); plus the kernels that took most of that time;
   - batch-1 decode step against the memory-bandwidth floor: (weight bytes + KV bytes read per step) / the copy
     bandwidth measured on this GPU (a big device-to-device copy reads and writes every byte once);
   - end-to-end throughput vs transformers `generate` (same weights, same batch, greedy, fixed output length).
@@ -112,7 +114,7 @@ def decode_run(engine, batch_size: int, prompt_len: int, steps: int, overlap: bo
     sched = Scheduler(engine, None, max_prefill_tokens=batch_size * prompt_len, record_stats=True, overlap=overlap)
     for i in range(batch_size):
         sched.add_request(Req(i, [(7 * i + j) % 1000 + 3 for j in range(prompt_len)],
-                              SamplingParams(max_new_tokens=steps + 8, ignore_eos=True)))
+                              SamplingParams(max_new_tokens=2 * steps + 8, ignore_eos=True)))
     while sched.waiting:
         sched.step()
     for _ in range(3):  # warm-up decode steps
@@ -128,14 +130,53 @@ def decode_run(engine, batch_size: int, prompt_len: int, steps: int, overlap: bo
     sync(dev)
     wall = time.perf_counter() - start
     replays = engine.num_graph_replays - replays
-    busy = sum(t.device_seconds for t in sched.timings if t.phase == "decode")
     cpu = sum(t.cpu_seconds for t in sched.timings if t.phase == "decode")
+    util, top = kernel_busy(sched, min(steps, 8), dev)  # few steps: a profile's records are slow to read
     for rid in list(sched.reqs):
         sched.abort(rid)
     sched.drain()
     sched.worker.shutdown()
-    return {"step_ms": 1e3 * wall / steps, "device_util": busy / wall, "cpu_ms_per_step": 1e3 * cpu / steps,
-            "graph_replays": replays, "steps": steps}
+    return {"step_ms": 1e3 * wall / steps, "device_util": util, "cpu_ms_per_step": 1e3 * cpu / steps,
+            "graph_replays": replays, "steps": steps, "top_kernels": top}
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """Total length covered by the (start, end) intervals: overlapping ones count once."""
+    total, cur_start, cur_end = 0.0, None, None
+    for a, b in sorted(spans):
+        if cur_end is None or a > cur_end:
+            total += 0.0 if cur_end is None else cur_end - cur_start
+            cur_start, cur_end = a, b
+        else:
+            cur_end = max(cur_end, b)
+    return total + (0.0 if cur_end is None else cur_end - cur_start)
+
+
+def kernel_busy(sched, steps: int, dev: str) -> tuple[float, list]:
+    """Run `steps` more decode steps under torch.profiler; -> (the fraction of their wall time in which some GPU
+    kernel was running; the 5 kernels with the most time as (name, ms per step)). CUDA events around a step would
+    count the GPU's waits for launches as busy; the profiler's kernel records do not. The profiler adds a little CPU
+    time to each launch, so without graphs the figure is a little low. On a CPU (--smoke) the records are torch's
+    CPU ops."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = dev.startswith("cuda")
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            sched.step()
+        sched.drain()
+        sync(dev)
+        wall = time.perf_counter() - start
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    kernels = [e for e in prof.events() if e.device_type == kind and e.time_range.end > e.time_range.start]
+    busy_us = union_length([(e.time_range.start, e.time_range.end) for e in kernels])  # microseconds
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e.name] = by_name.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:5]
+    return busy_us / 1e6 / wall, [(name[:80], us / 1e3 / steps) for name, us in top]
 
 
 def throughput(engine, folder: Path, batch_size: int, prompt_len: int, new_tokens: int) -> dict:
@@ -221,12 +262,15 @@ def markdown(report: dict) -> str:
              f"{report['bandwidth_gb_s']:.0f} GB/s.", "",
              "| model | batch | step ms, graphs on | graphs off | graphs on, util | graphs off, util | CPU ms/step | "
              "steps replayed (on / off) |", "|---|---|---|---|---|---|---|---|"]
+    kernels = []
     for m in report["models"]:
         for r in m["decode"]:
             on, off = r["graphs_on"], r["graphs_off"]
             lines.append(f"| {m['shape']['name']} | {r['batch']} | {on['step_ms']:.2f} | {off['step_ms']:.2f} | "
                          f"{on['device_util']:.0%} | {off['device_util']:.0%} | {on['cpu_ms_per_step']:.2f} | "
                          f"{on['graph_replays']}/{on['steps']} / {off['graph_replays']}/{off['steps']} |")
+            if r["batch"] == 1 and on.get("top_kernels"):
+                kernels += [f"| {m['shape']['name']} | {name} | {ms:.3f} |" for name, ms in on["top_kernels"]]
     lines += ["", "| model | batch-1 step ms | bandwidth floor ms (weights + KV) | ratio | stage 5 tok/s | HF tok/s | "
               "speed-up |", "|---|---|---|---|---|---|---|"]
     for m in report["models"]:
@@ -235,6 +279,9 @@ def markdown(report: dict) -> str:
         ratio = "n/a" if f["ratio"] is None else f"{f['ratio']:.2f}x"
         lines.append(f"| {m['shape']['name']} | {b1} | {f['floor_ms']:.2f} | {ratio} | {t['stage5_tok_s']:.0f} | "
                      f"{t['hf_tok_s']:.0f} | {t['speedup']:.1f}x (batch {t['batch']}) |")
+    if kernels:
+        lines += ["", "Batch 1, graphs on: the kernels with the most GPU time (profiler)", "",
+                  "| model | kernel | ms per step |", "|---|---|---|"] + kernels
     return "\n".join(lines) + "\n"
 
 

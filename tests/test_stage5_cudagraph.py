@@ -202,6 +202,14 @@ def test_bandwidth_floor_arithmetic():
     assert abs(qwen.num_params() - 0.596e9) / 0.596e9 < 0.02  # Qwen3-0.6B, tied embeddings
 
 
+def test_kernel_busy_time_counts_overlapping_kernels_once():
+    from common.bench_gpu_stage5 import union_length
+
+    assert union_length([]) == 0
+    # [0, 10] and [5, 12] overlap (12 covered), [20, 21] apart, [3, 4] inside the first
+    assert union_length([(20, 21), (5, 12), (0, 10), (3, 4)]) == 13
+
+
 def test_gpu_bench_rehearsal_on_cpu(tmp_path):
     """The GPU script end to end on the CPU (--smoke): every measurement path runs, graphs on replays every timed
     decode step and graphs off none, and the emulator is removed again afterwards."""
@@ -215,6 +223,7 @@ def test_gpu_bench_rehearsal_on_cpu(tmp_path):
         assert on["graph_replays"] == on["steps"] and off["graph_replays"] == sync["graph_replays"] == 0
         for r in (on, off, sync):
             assert r["step_ms"] > 0 and 0 < r["device_util"] <= 1.0 + 1e-6
+        assert on["top_kernels"] and all(ms > 0 for _, ms in on["top_kernels"])
     assert model["floor"]["floor_ms"] > 0 and model["throughput"]["stage5_tok_s"] > 0
     assert "| tiny-shape | 3 |" in (tmp_path / "stage5_gpu.md").read_text()
 
