@@ -8,13 +8,12 @@ attention that reads a paged cache, so this backend brings a small one of its ow
 (`cpu_kernels.cpp`, compiled on first use with torch's extension loader, as SGLang's `sgl-kernel`
 and vLLM's CPU build bring theirs):
 
-    scores = paged_qk(q, k_cache, page_table, req_rows, seq_lens)   # [B, H, max_len] float32
-    probs  = softmax(scores)                                        # -inf past each seq_len
-    out    = paged_pv(probs, v_cache, page_table, req_rows, seq_lens)  # [B, H, D]
+    out = paged_decode(q, k_cache, v_cache, page_table, req_rows, seq_lens, scale)  # [B, H, D]
 
-Both kernels look each key up through the page table as they read it, so each K/V row is read once,
-nothing is copied, and no request is padded with keys (only its row of scores). They read
-`seq_lens` and the page table from tensors, so the same call works under stage 5's graphs.
+It looks each key up through the page table as it reads it, and makes one pass over a request's
+keys with the online softmax (flash-decoding's): each K/V row is read once, nothing is copied, no
+scores are stored. It reads `seq_lens` and the page table from tensors, so the same call works under
+stage 5's graphs.
 
 Building needs a C++ compiler (g++ or clang) and takes ~30 s once; the result is cached (torch's
 extension cache, ~/.cache/torch_extensions). Without a compiler the backend is unavailable and
@@ -46,9 +45,14 @@ def load_kernels():
 
     # Named by the source's hash: every stage with the same kernels shares one build.
     digest = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:10]
+    # at::vec's widest vectors this CPU has (AVX512, AVX2, ...), as ATen's own kernels pick them
+    capability = torch.backends.cpu.get_cpu_capability()
+    vectors = [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"] \
+        if capability in ("AVX2", "AVX512") else []
     try:
-        module = load(name=f"paged_attention_cpu_{digest}", sources=[str(SOURCE)],
-                      extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        module = load(name=f"paged_attention_cpu_{digest}_{capability.lower()}",
+                      sources=[str(SOURCE)],
+                      extra_cflags=["-O3", "-march=native", "-fopenmp", *vectors],
                       extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 — no compiler, a failed build: say why, once
         _build_error.append(f"the CPU attention kernels did not build ({type(e).__name__}: "
@@ -66,19 +70,14 @@ _OP = f"{__name__.split('.')[0]}::paged_decode_attention"
 @torch.library.custom_op(_OP, mutates_args=())
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            page_table: torch.Tensor, req_rows: torch.Tensor,
-                           seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
-    """q [B, H, D] -> [B, H, D]: each request attends to its first seq_lens[b] cached keys
-    (max_len >= every seq_len sizes the scores)."""
-    kernels = load_kernels()
-    q = q.contiguous()
-    # [B, H, max_len] float32
-    scores = kernels.paged_qk(q, k_cache, page_table, req_rows, seq_lens, max_len, scale)
-    probs = torch.softmax(scores, dim=-1)
-    return kernels.paged_pv(probs, v_cache, page_table, req_rows, seq_lens, q)
+                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, D] -> [B, H, D]: each request attends to its first seq_lens[b] cached keys."""
+    return load_kernels().paged_decode(q.contiguous(), k_cache, v_cache, page_table, req_rows,
+                                       seq_lens, scale)  # [B, H, D]
 
 
 @paged_decode_attention.register_fake
-def _(q, k_cache, v_cache, page_table, req_rows, seq_lens, max_len, scale):
+def _(q, k_cache, v_cache, page_table, req_rows, seq_lens, scale):
     return torch.empty_like(q)
 
 
@@ -86,11 +85,11 @@ class CpuBackend(TorchBackend):
     name = "cpu"
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        if fb.phase == "decode":  # the kernels read the page table themselves
+        if fb.phase == "decode":  # the kernel reads the page table itself
             fb.attn_metadata = None
         else:  # prefill: the torch backend's layout
             super().init_forward_metadata(fb)
 
     def decode(self, q, k_cache, v_cache, fb: ForwardBatch, scale):
         return paged_decode_attention(q, k_cache, v_cache, fb.page_table, fb.req_rows,
-                                      fb.seq_lens, fb.max_seq_len, scale)  # [B, H, D]
+                                      fb.seq_lens, scale)  # [B, H, D]
