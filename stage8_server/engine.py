@@ -58,6 +58,26 @@ def check_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def keep_freed_memory_in_heap() -> None:
+    """On Linux (glibc), stop malloc from handing big freed blocks back to the OS.
+
+    A forward pass allocates and frees the same activations every step (a 512-token chunk's MLP
+    input alone is 3 MB). By default glibc serves blocks that large with fresh mmap()s and unmaps
+    them when freed, so every step page-faults its activations in again, zeroed by the kernel.
+    Raising the mmap threshold to its maximum (32 MiB) and never trimming the heap keeps those
+    blocks for reuse: measured, stage 4's offline run ~8% faster in float32 on a 2-core CPU. vLLM's
+    CPU build gets the same by preloading tcmalloc. Process-wide, and a no-op elsewhere."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "mallopt"):
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
+        libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+
+
 @dataclass
 class MemoryReport:
     """What the model costs in memory: the weights once, plus the KV cache per token of every
@@ -229,6 +249,8 @@ class Engine:
         config = ModelConfig.from_hf(hf_config)  # refuses what it cannot run, before any allocation
         dtype = resolve_dtype(dtype, config)
         self.device, self.dtype = check_device(device), dtype
+        if self.device.type == "cpu":
+            keep_freed_memory_in_heap()
         self.eos_token_ids = set(eos_token_ids) if eos_token_ids else read_eos_token_ids(
             model_path, hf_config)
         self.attn_backend = create_backend(attention_backend, self.device)
