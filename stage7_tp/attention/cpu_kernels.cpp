@@ -1,20 +1,22 @@
 // Decode attention that reads the paged KV cache in place, on a CPU (cpu_backend.py builds this
 // file once with torch's C++ extension loader and calls it). One pass over a request's keys, the
-// online softmax of flash-decoding:
+// online softmax of flash-decoding, a block of BLOCK keys at a time, for every query head h (the
+// G = H / KVH heads of one K/V head share its rows):
 //
-//   for each page of request b's keys, for each K/V head (its G = H / KVH query heads together):
-//     s[g, j] = scale * q[b, g] . k[slot(b, j)]                 scores of the page's keys
-//     m'      = max(m, max_j s[g, j]);  acc, l *= exp(m - m')   a larger maximum rescales the past
-//     p[g, j] = exp(s[g, j] - m');  l += sum_j p;  acc += sum_j p[g, j] * v[slot(b, j)]
-//   out[b, g] = acc / l
+//     s[h, j] = scale * q[b, h] . k[slot(b, j)]                 scores of the block's keys
+//     m'      = max(m, max_j s[h, j]);  acc, l *= exp(m - m')   a larger maximum rescales the past
+//     p[h, j] = exp(s[h, j] - m');  l += sum_j p;  acc += sum_j p[h, j] * v[slot(b, j)]
+//   out[b, h] = acc / l
 //
 // slot(b, j) = page_table[req_rows[b], j / page_size] * page_size + j % page_size: the same lookup
 // as the torch backend's kv_indices, done while reading instead of copying the keys out first.
 // Every key and value row is read from memory once per step and layer, for the G query heads that
-// share it; nothing is written but the output. Threads take requests one at a time. Arithmetic is float32 whatever the cache's dtype (bfloat16 rows are widened as they are
-// read), in ATen's portable vectors (at::vec: AVX-512, AVX2, NEON... chosen when cpu_backend.py
-// builds the file; SGLang's CPU kernels are written the same way). A cache may be any strided view
-// whose head_dim is dense (one layer of the pool is a view into all layers).
+// share it; nothing is written but the output. Threads take requests one at a time (a request's
+// K/V heads go to different threads when requests are fewer than threads). Arithmetic is float32
+// whatever the cache's dtype (bfloat16 rows are widened as they are read), in ATen's portable
+// vectors (at::vec: AVX-512, AVX2, NEON... chosen when cpu_backend.py builds the file; SGLang's CPU
+// kernels are written the same way). A cache may be any strided view whose head_dim is dense (one
+// layer of the pool is a view into all layers).
 
 #include <torch/extension.h>
 #include <ATen/cpu/vec/functional.h>
@@ -61,6 +63,14 @@ struct Cache {  // a cache's base pointer and strides (elements); head_dim is de
   int64_t page, token, head;
 };
 
+// Where key (value) p of a request lies in the cache: its token's row of K/V head 0.
+template <typename T>
+static inline const T* token_row(const Cache& c, const int32_t* pages, int64_t p,
+                                 int64_t page_size) {
+  return static_cast<const T*>(c.data) + int64_t(pages[p / page_size]) * c.page +
+         (p % page_size) * c.token;
+}
+
 // Request b's keys for K/V heads [kv0, kv1): q [H, D] of the request in, out [H, D] out. A token's
 // K (V) rows of every head lie together, so one pass reads them in the order they lie.
 template <typename T>
@@ -74,13 +84,10 @@ static void attend(const T* q, T* out, const Cache& kc, const Cache& vc, int64_t
   std::fill(acc, acc + NH * D, 0.f);
   std::fill(m, m + NH, -INFINITY);
   std::fill(l, l + NH, 0.f);
-  const T* k = static_cast<const T*>(kc.data);
-  const T* v = static_cast<const T*>(vc.data);
   for (int64_t first = 0; first < len; first += BLOCK) {
     const int64_t n = std::min(BLOCK, len - first);
     for (int64_t j = 0; j < n; ++j) {  // scores: each key row read once for its G heads
-      const int64_t p = first + j;
-      const T* token = k + int64_t(pages[p / page_size]) * kc.page + (p % page_size) * kc.token;
+      const T* token = token_row<T>(kc, pages, first + j, page_size);
       for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
         const float* key = as_float(token + kvh * kc.head, D, row);
         for (int64_t h = (kvh - kv0) * G; h < (kvh - kv0 + 1) * G; ++h)
@@ -103,8 +110,7 @@ static void attend(const T* q, T* out, const Cache& kc, const Cache& vc, int64_t
       m[h] = block_max;
     }
     for (int64_t j = 0; j < n; ++j) {  // values: each row read once for its G heads
-      const int64_t p = first + j;
-      const T* token = v + int64_t(pages[p / page_size]) * vc.page + (p % page_size) * vc.token;
+      const T* token = token_row<T>(vc, pages, first + j, page_size);
       for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
         const float* value = as_float(token + kvh * vc.head, D, row);
         for (int64_t h = (kvh - kv0) * G; h < (kvh - kv0 + 1) * G; ++h)
