@@ -15,15 +15,23 @@
 // K/V heads go to different threads when requests are fewer than threads). Arithmetic is float32
 // whatever the cache's dtype (bfloat16 rows are widened as they are read), in ATen's portable
 // vectors (at::vec: AVX-512, AVX2, NEON... chosen when cpu_backend.py builds the file; SGLang's CPU
-// kernels are written the same way). A cache may be any strided view whose head_dim is dense (one
-// layer of the pool is a view into all layers).
+// kernels are written the same way). On AVX-512 with head_dim 64 or 128, attend_avx512 does the
+// same pass in fewer instructions (a block's 16 scores summed as one vector, the output kept in
+// registers, the next block's rows prefetched): 1.5x the portable pass on a 2-core Zen 5.
+// A cache may be any strided view whose head_dim is dense (one layer of the pool is a view into
+// all layers).
 
 #include <torch/extension.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 using Vec = at::vec::Vectorized<float>;
 
@@ -124,6 +132,135 @@ static void attend(const T* q, T* out, const Cache& kc, const Cache& vc, int64_t
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// The same pass for head_dim D (a multiple of 16) on AVX-512, arranged so that nothing is
+// reduced one lane at a time: a block's 16 scores of a head come out as one vector (sum_lanes),
+// and a head's output stays in registers while the block's values are added in.
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::BFloat16* p) {  // 16 bfloat16 -> float32: the high half
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+struct Halving {  // the lanes each step of sum_lanes adds: lo[r] + hi[r] of (a, b)
+  __m512i lo[4], hi[4];
+  Halving() {
+    for (int level = 0, w = 16; w > 1; ++level, w /= 2) {
+      alignas(64) int32_t a[16], b[16];
+      for (int r = 0; r < 16; ++r) {  // lanes 0-7 from a (0-15), 8-15 from b (16-31)
+        const int i = (r % 8) / (w / 2), s = (r % 8) % (w / 2);
+        a[r] = (r < 8 ? 0 : 16) + i * w + s;
+        b[r] = a[r] + w / 2;
+      }
+      lo[level] = _mm512_load_si512(a);
+      hi[level] = _mm512_load_si512(b);
+    }
+  }
+};
+
+// v[j] -> lane j: the sum of v[j]'s 16 lanes. Four halvings of pairs (15 adds, 30 permutes)
+// instead of 16 separate horizontal sums.
+static inline __m512 sum_lanes(__m512 v[16], const Halving& hv) {
+  for (int level = 0, count = 16; count > 1; ++level, count /= 2)
+    for (int i = 0; i < count / 2; ++i)
+      v[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], hv.lo[level], v[2 * i + 1]),
+                           _mm512_permutex2var_ps(v[2 * i], hv.hi[level], v[2 * i + 1]));
+  return v[0];
+}
+
+template <typename T, int D>
+static void attend_avx512(const T* q, T* out, const Cache& kc, const Cache& vc, int64_t kv0,
+                          int64_t kv1, const int32_t* pages, int64_t len, int64_t page_size,
+                          int64_t G, float scale) {
+  static_assert(BLOCK == 16 && D % 16 == 0, "a block's scores are one vector");
+  static const Halving hv;
+  constexpr int C = D / 16;  // vectors per head row
+  const int64_t h0 = kv0 * G, NH = (kv1 - kv0) * G;
+  alignas(64) float acc[MAX_HEADS * D];
+  float m[MAX_HEADS], l[MAX_HEADS];
+  std::fill(acc, acc + NH * D, 0.f);
+  std::fill(m, m + NH, -INFINITY);
+  std::fill(l, l + NH, 0.f);
+  const T *krow[BLOCK], *vrow[BLOCK];
+  for (int64_t first = 0; first < len; first += BLOCK) {
+    const int n = int(std::min(BLOCK, len - first));
+    for (int j = 0; j < n; ++j) {
+      krow[j] = token_row<T>(kc, pages, first + j, page_size);
+      vrow[j] = token_row<T>(vc, pages, first + j, page_size);
+    }
+    const __mmask16 live = __mmask16((1u << n) - 1);
+    // The next block's rows lie on other pages, anywhere in the pool: ask for them now, while this
+    // block computes (measured: ~7% in bfloat16, where reading is a larger share of the time)
+    const int64_t row_bytes = kc.head * (kv1 - kv0) * int64_t(sizeof(T));
+    for (int64_t p = first + BLOCK; p < std::min(first + 2 * BLOCK, len); ++p) {
+      const T* k = token_row<T>(kc, pages, p, page_size) + kv0 * kc.head;
+      const T* v = token_row<T>(vc, pages, p, page_size) + kv0 * vc.head;
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(k) + b, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(v) + b, _MM_HINT_T0);
+      }
+    }
+    for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
+      // The block's K and V rows of this head as float32, once for the G heads sharing them
+      alignas(64) float kf[BLOCK * D], vf[BLOCK * D];
+      for (int j = 0; j < n; ++j)
+        for (int c = 0; c < C; ++c) {
+          _mm512_store_ps(kf + j * D + c * 16, load16(krow[j] + kvh * kc.head + c * 16));
+          _mm512_store_ps(vf + j * D + c * 16, load16(vrow[j] + kvh * vc.head + c * 16));
+        }
+      for (int64_t h = (kvh - kv0) * G; h < (kvh - kv0 + 1) * G; ++h) {
+        __m512 qv[C], part[16];
+        for (int c = 0; c < C; ++c) qv[c] = _mm512_mul_ps(load16(q + (h0 + h) * D + c * 16),
+                                                          _mm512_set1_ps(scale));
+        for (int j = 0; j < 16; ++j) {  // scores: q . k of each key, as 16 lanes to be summed
+          part[j] = _mm512_setzero_ps();
+          if (j < n)
+            for (int c = 0; c < C; ++c)
+              part[j] = _mm512_fmadd_ps(qv[c], _mm512_load_ps(kf + j * D + c * 16), part[j]);
+        }
+        const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, sum_lanes(part, hv));
+        const float block_max = std::max(m[h], _mm512_reduce_max_ps(s));
+        const float correction = std::exp(m[h] - block_max);  // exp(-inf) = 0 at the first block
+        alignas(64) float p[16];
+        _mm512_store_ps(p, _mm512_maskz_mov_ps(
+                               live, Vec(_mm512_sub_ps(s, _mm512_set1_ps(block_max))).exp_u20()));
+        l[h] = l[h] * correction + _mm512_reduce_add_ps(_mm512_load_ps(p));
+        m[h] = block_max;
+        __m512 o[C];  // values: the head's output in registers for the whole block
+        for (int c = 0; c < C; ++c)
+          o[c] = _mm512_mul_ps(_mm512_load_ps(acc + h * D + c * 16), _mm512_set1_ps(correction));
+        for (int j = 0; j < n; ++j) {
+          const __m512 w = _mm512_set1_ps(p[j]);
+          for (int c = 0; c < C; ++c)
+            o[c] = _mm512_fmadd_ps(w, _mm512_load_ps(vf + j * D + c * 16), o[c]);
+        }
+        for (int c = 0; c < C; ++c) _mm512_store_ps(acc + h * D + c * 16, o[c]);
+      }
+    }
+  }
+  for (int64_t h = 0; h < NH; ++h) {
+    const float inv = len > 0 ? 1.f / l[h] : 0.f;  // no keys: zeros
+    for (int64_t d = 0; d < D; ++d) out[(h0 + h) * D + d] = T(acc[h * D + d] * inv);
+  }
+}
+#endif
+
+// One request's heads [kv0, kv1): the AVX-512 pass where it applies, else the portable one.
+template <typename T>
+static void attend_any(const T* q, T* out, const Cache& kc, const Cache& vc, int64_t kv0,
+                       int64_t kv1, const int32_t* pages, int64_t len, int64_t page_size,
+                       int64_t G, int64_t D, float scale) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    if (D == 64)
+      return attend_avx512<T, 64>(q, out, kc, vc, kv0, kv1, pages, len, page_size, G, scale);
+    if (D == 128)
+      return attend_avx512<T, 128>(q, out, kc, vc, kv0, kv1, pages, len, page_size, G, scale);
+  }
+#endif
+  attend<T>(q, out, kc, vc, kv0, kv1, pages, len, page_size, G, D, scale);
+}
+
 static Cache cache_of(const torch::Tensor& cache) {
   return {cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2)};
 }
@@ -139,7 +276,7 @@ static void decode_all(const T* q, T* out, const Cache& kc, const Cache& vc, con
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t item = 0; item < B * split; ++item) {
     const int64_t b = item / split, kv0 = (item % split) * heads;
-    attend<T>(q + b * H * D, out + b * H * D, kc, vc, kv0, kv0 + heads,
+    attend_any<T>(q + b * H * D, out + b * H * D, kc, vc, kv0, kv0 + heads,
               table + rows[b] * pt_stride, lens[b], page_size, G, D, scale);
   }
 }
