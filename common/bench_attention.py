@@ -39,7 +39,7 @@ from types import SimpleNamespace
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (see stage 2's triton_backend.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (see stage 2's triton_kernels.py)
 
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402

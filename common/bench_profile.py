@@ -56,10 +56,10 @@ def instrument(stage_name: str, llm) -> dict:
         wrap(engine, "run", "forward", totals)
     else:
         wrap(engine.model, "forward", "forward", totals)
-    sched_mod = importlib.import_module(f"{stage_name}.scheduler.scheduler")
-    for name in ("sample", "sample_tensor"):  # the name the scheduler calls (stage 4: sample, from 5 on: _tensor)
-        if hasattr(sched_mod, name):
-            wrap(sched_mod, name, "sample", totals)
+    # where the scheduler calls the sampler: stage 4's output processor calls `sample`, from stage 5 on
+    # run_batch.py calls `sample_tensor`
+    module, name = ("run_batch", "sample_tensor") if stage_name >= "stage5" else ("output_processor", "sample")
+    wrap(importlib.import_module(f"{stage_name}.scheduler.{module}"), name, "sample", totals)
     wrap(llm.scheduler, "step", "step", totals)
     return totals
 

@@ -201,16 +201,17 @@ TASKS = [
                   "pick_bucket":
                    "receives the sorted buckets and a batch size; returns the smallest bucket that "
                    "holds it. Larger than the last bucket: ValueError."}),
-    Task("5.overlap_results", "scheduler/scheduler.py",
+    Task("5.overlap_results", "scheduler/output_processor.py",
          goal="read a step's tokens one step late: placeholders, stops, deferred frees",
          readme="Overlap scheduling",
-         symbols={"Scheduler.process":
-                   "receives a launched step (batch, sampled: (req, index in output_ids) pairs, "
-                   "pending) and returns its StepOutputs. pending.wait() gives the tokens; skip "
-                   "requests already finished; put each token at its index (it replaces a "
-                   "placeholder), _check_stop(req, token, index + 1); a request finished here "
-                   "drops the tokens launched after (output_ids, device_len, cached_len). Then "
-                   "remove_finished, and release the deferred requests no inflight batch holds."}),
+         symbols={"process_batch_result":
+                   "receives the scheduler and a launched step (batch, sampled: (req, index in "
+                   "output_ids) pairs, pending) and returns its StepOutputs. pending.wait() gives "
+                   "the tokens; skip requests already finished; put each token at its index (it "
+                   "replaces a placeholder), check_finished(scheduler, req, token, index + 1); a "
+                   "request finished here drops the tokens launched after (output_ids, device_len, "
+                   "cached_len). Then remove_finished, and release the deferred requests no "
+                   "inflight batch holds."}),
     Task("5.graph_padding", "graph.py",
          goal="copy a batch into the graph's static buffers and pad it to its bucket",
          readme="CUDA graphs (`graph.py`)",

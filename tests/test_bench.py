@@ -101,3 +101,5 @@ def test_profile_splits_a_step_on_a_tiny_model(capsys):
     shares = [float(m) for m in re.findall(r"ms/step\s+(-?[\d.]+)%", out)]
     assert len(shares) == 11 and all(-1 <= s <= 100 for s in shares), out
     assert float(re.search(r"matmul\s+[\d.]+ ms/step\s+([\d.]+)%", out).group(1)) > 0
+    # the sampler is found where the scheduler calls it, so its time is measured, not silently zero
+    assert float(re.search(r"\n\s+sample\s+([\d.]+) ms/step", out).group(1)) > 0, out

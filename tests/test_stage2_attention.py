@@ -17,7 +17,7 @@ import pytest
 import torch
 
 # Triton picks interpreter-or-compiler when `@triton.jit` runs: for its own helpers (tl.sum, tl.max) when triton is
-# first imported, for our kernels when triton_backend is. So set it before importing either. (triton_backend sets the
+# first imported, for our kernels when triton_kernels is. So set it before importing either. (triton_kernels sets the
 # same default itself, and tests/conftest.py sets it for the whole run; this line covers running the file alone. If
 # something imported triton earlier in this process without it, the in-process triton tests skip with that reason.)
 if not torch.cuda.is_available():
@@ -39,7 +39,7 @@ def tb():
 
     if not HAS_CUDA and not triton_backend.INTERPRET:
         pytest.skip("no CUDA and TRITON_INTERPRET was not 1 when triton_backend was imported")
-    if triton_backend.INTERPRETER_BROKEN:  # see triton_backend.py; the fresh-process test below still runs
+    if triton_backend.INTERPRETER_BROKEN:  # see triton_kernels.py; the fresh-process test below still runs
         pytest.skip("another module imported triton before TRITON_INTERPRET=1 was set in this process")
     return triton_backend
 

@@ -33,14 +33,14 @@ def flush_and_abort_in_one_turn(llm, params_cls) -> list[tuple[list[int], int]]:
 def follower_with_a_wrong_token(stage: str, at_call: int, rank: int, *args) -> None:
     """Stage `stage`'s run_follower, except that this rank's sampler adds one to the tokens of its at_call-th
     call: the rank then disagrees with the others about what it sampled."""
-    scheduler = importlib.import_module(f"{stage}.scheduler.scheduler")
-    sample, calls = scheduler.sample_tensor, []
+    launcher = importlib.import_module(f"{stage}.scheduler.run_batch")  # where the step samples
+    sample, calls = launcher.sample_tensor, []
 
     def wrong_once(*a, **kw):
         tokens = sample(*a, **kw)
         calls.append(None)
         return tokens + 1 if len(calls) == at_call else tokens
-    scheduler.sample_tensor = wrong_once
+    launcher.sample_tensor = wrong_once
     importlib.import_module(f"{stage}.tp_worker").run_follower(rank, *args)
 
 

@@ -2,8 +2,8 @@
 
 - "torch": plain PyTorch (torch_backend.py). Runs anywhere; the reference the others are tested
   against.
-- "triton": our own kernels (triton_backend.py). The default on CUDA; on a CPU it runs in Triton's
-  interpreter.
+- "triton": our own kernels (triton_kernels.py, launched by triton_backend.py). The default on
+  CUDA; on a CPU it runs in Triton's interpreter.
 - "flash_attn": the flash-attention 2 library (flash_attn_backend.py), if installed. CUDA only.
 
 The triton and flash_attn modules are imported only when asked for, so `import stage2_batch` never

@@ -4,7 +4,9 @@ handed out by the CacheManager."""
 
 from .cache_manager import CacheManager
 from .decode import DecodeManager
+from .metrics import StepStats
+from .output_processor import StepOutput
 from .prefill import PrefillAdder
-from .scheduler import Scheduler, StepOutput, StepStats
+from .scheduler import Scheduler
 
 __all__ = ["CacheManager", "DecodeManager", "PrefillAdder", "Scheduler", "StepOutput", "StepStats"]

@@ -17,56 +17,32 @@ request to need this share of its remaining budget. It starts at `init_new_token
 schedule_conservativeness), falls a little each decode step that needed no preemption (down to
 min_new_token_ratio), and after a preemption is set to what the surviving requests really used so
 far, so admission becomes careful again exactly when it was too bold.
+
+Beside this loop: output_processor.py turns a step's tokens into StepOutputs (stop checks,
+finishing requests), metrics.py keeps the StepStats and logs the throughput.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from ..core import Batch, Req, ReqStatus
+from ..core import Req
 from ..detokenizer import IncrementalDetokenizer
 from ..engine import Engine
-from ..sampler import sample
 from .cache_manager import CacheManager
 from .decode import DecodeManager
+from .metrics import StepStats, log_decode_stats
+from .output_processor import StepOutput, finish_request, process_batch_result
 from .prefill import PrefillAdder
-
-logger = logging.getLogger(__name__.split(".")[0])
 
 # SGLang's defaults for the admission estimate (see the module docstring and prefill.py).
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 RETRACT_DECODE_STEPS = 20  # after a preemption, assume each survivor decodes this many more tokens
-
-
-@dataclass
-class StepOutput:
-    """What one request got from one step."""
-
-    rid: int
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None
-    req: Req  # the request itself (read-only for callers)
-
-
-@dataclass
-class StepStats:
-    step: int
-    phase: str
-    batch_size: int
-    num_tokens: int
-    num_running: int
-    num_waiting: int
-    used_pages: int
-    num_preempted: int
-    seconds: float
 
 
 @dataclass
@@ -133,7 +109,7 @@ class Scheduler:
     def abort(self, rid: int) -> None:
         req = self.reqs.get(rid)
         if req is not None:
-            self._finish(req, "abort")
+            finish_request(self, req, "abort")
             self.detok.pop(rid, None)
             self.waiting = [r for r in self.waiting if r.rid != rid]
             self.decoder.remove_finished()
@@ -183,7 +159,7 @@ class Scheduler:
 
         self.last_phase = batch.phase
         logits = self.engine.forward(batch)  # [B, vocab]
-        outputs = self.process(batch, logits)
+        outputs = process_batch_result(self, batch, logits)
         self.decoder.remove_finished()
         if self.record_stats:
             self.stats.append(
@@ -191,7 +167,7 @@ class Scheduler:
                           len(self.decoder.running), len(self.waiting), self.cache.num_used_pages,
                           len(preempted),
                           time.perf_counter() - start))
-        self._maybe_log(batch, len(outputs))
+        log_decode_stats(self, batch, len(outputs))
         return outputs
 
     def update_new_token_ratio(self, preempted: list[Req]) -> None:
@@ -208,75 +184,3 @@ class Scheduler:
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay,
                                        self.min_new_token_ratio)
-
-    def process(self, batch: Batch, logits: torch.Tensor) -> list[StepOutput]:
-        """Advance every request of the batch; sample for those whose last fed token predicts a new
-        one."""
-        sample_rows, to_sample = [], []
-        if batch.phase == "prefill":
-            self.chunked = None  # set again below if this batch cut a prompt
-        for i, req in enumerate(batch.reqs):
-            # a non-final prefill chunk: nothing to sample yet
-            if req.device_len < len(req.all_ids):
-                req.complete_chunk()
-                self.chunked = req
-            else:
-                sample_rows.append(i)
-                to_sample.append(req)
-        if not to_sample:
-            return []
-        token_ids = sample(logits[sample_rows], to_sample,
-                           [self.generators[r.rid] for r in to_sample])
-        outputs = []
-        for req, token_id in zip(to_sample, token_ids):
-            if batch.phase == "prefill":
-                self.decoder.add(req)  # prompt done: from now on it decodes
-            req.complete_one(token_id)
-            self._check_stop(req, token_id)
-            req.check_invariants()
-            detok = self.detok.pop(req.rid, None) if req.finished else self.detok.get(req.rid)
-            delta = detok.take_delta(final=req.finished) if detok else ""
-            outputs.append(
-                StepOutput(req.rid, [token_id], delta, req.finished, req.finish_reason, req))
-        return outputs
-
-    def _check_stop(self, req: Req, token_id: int) -> None:
-        params = req.sampling_params
-        detok = self.detok.get(req.rid)
-        matched_string = detok.add(token_id) if detok else None
-        if token_id in params.stop_token_ids:
-            self._finish(req, "stop", token_id)
-        elif token_id in self.engine.eos_token_ids and not params.ignore_eos:
-            self._finish(req, "stop", token_id)
-        elif matched_string is not None:
-            self._finish(req, "stop", matched_string)
-        elif len(req.output_ids
-                 ) >= params.max_new_tokens or req.device_len >= self.engine.max_context_len:
-            self._finish(req, "length")
-
-    def _finish(self, req: Req, reason: str, matched=None) -> None:
-        req.status, req.finish_reason, req.matched_stop = ReqStatus.FINISHED, reason, matched
-        if req.table_idx >= 0:
-            self.cache.release(req)
-        self.reqs.pop(req.rid, None)
-        self.generators.pop(req.rid, None)
-
-    def _maybe_log(self, batch: Batch, num_new_tokens: int) -> None:
-        self._log_tokens += num_new_tokens
-        if (
-            self.log_interval
-            and batch.phase == "decode"
-            and self.step_count % self.log_interval == 0
-        ):
-            now = time.perf_counter()
-            logger.info(
-                "step %d: decode batch %d, %d waiting, KV pages %d/%d used, gen throughput %.1f "
-                "tok/s",
-                self.step_count,
-                batch.size,
-                len(self.waiting),
-                self.cache.num_used_pages,
-                self.cache.pool.num_pages,
-                self._log_tokens / (now - self._log_time),
-            )
-            self._log_tokens, self._log_time = 0, now

@@ -4,8 +4,8 @@
   against.
 - "cpu": the torch backend's prefill, and a decode that reads the paged cache in place with C++
   kernels of our own (cpu_backend.py, cpu_kernels.cpp), built on first use. CPU only.
-- "triton": our own kernels (triton_backend.py). The default on CUDA; on a CPU it runs in Triton's
-  interpreter.
+- "triton": our own kernels (triton_kernels.py, launched by triton_backend.py). The default on
+  CUDA; on a CPU it runs in Triton's interpreter.
 - "flash_attn": the flash-attention 2 library (flash_attn_backend.py), if installed. CUDA only.
 
 The triton and flash_attn modules are imported only when asked for, so `import stage6_radix` never

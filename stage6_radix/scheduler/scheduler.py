@@ -18,6 +18,9 @@ schedule_conservativeness), falls a little each decode step that needed no preem
 min_new_token_ratio), and after a preemption is set to what the surviving requests really used so
 far, so admission becomes careful again exactly when it was too bold.
 
+Beside this loop: output_processor.py turns a step's tokens into StepOutputs (stop checks,
+finishing requests), metrics.py keeps the StepStats and logs the throughput.
+
 Stage 6, the prefix cache: admission looks each prompt up in the radix tree (PrefillAdder); each
 prefilled prompt, and each chunk of one, goes into the tree at once (CacheManager.cache_unfinished);
 a request that ends puts the rest of its pages there (CacheManager.release). The waiting queue is
@@ -29,7 +32,8 @@ were given back: SGLang's `batch_is_full`).
 
 Stage 5, overlap scheduling ("zero-overhead" scheduler): each step *launches* batch N and then
 processes the results of batch N-1 while N runs, so the device never waits for the CPU's
-bookkeeping.
+bookkeeping. A batch is launched by run_batch (run_batch.py) and read back by process_batch_result
+(output_processor.py).
 
     step():
         build batch N (host state was advanced when N-1 launched: positions and KV slots are known,
@@ -49,23 +53,22 @@ host) and a decode step that must preempt (recompute needs the tokens).
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from ..core import Batch, Req, ReqStatus
+from ..core import Batch, Req
 from ..detokenizer import IncrementalDetokenizer
 from ..engine import Engine
 from ..radix_cache import RadixCache
-from ..sampler import sample_tensor
 from .cache_manager import CacheManager
 from .decode import DecodeManager
+from .metrics import StepStats, log_decode_stats
+from .output_processor import StepOutput, finish_request, is_launched, process_batch_result
 from .overlap import DeviceWorker, Pending, StepTiming
 from .prefill import PrefillAdder
-
-logger = logging.getLogger(__name__.split(".")[0])
+from .run_batch import run_batch
 
 # SGLang's defaults for the admission estimate (see the module docstring and prefill.py).
 INIT_NEW_TOKEN_RATIO = 0.7
@@ -75,34 +78,6 @@ RETRACT_DECODE_STEPS = 20  # after a preemption, assume each survivor decodes th
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 # longer waiting queues are ordered FCFS: matching each request every step would cost too much
 LPM_MAX_QUEUE = 128
-
-
-@dataclass
-class StepOutput:
-    """What one request got from one step."""
-
-    rid: int
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None
-    req: Req  # the request itself (read-only for callers)
-
-
-@dataclass
-class StepStats:
-    step: int
-    phase: str
-    batch_size: int
-    num_tokens: int
-    num_running: int
-    num_waiting: int
-    used_pages: int
-    num_preempted: int
-    seconds: float
-    # stage 6: prompt tokens served from the tree / prompt tokens admitted, so far
-    cache_hit_rate: float = 0.0
-    tree_tokens: int = 0  # stage 6: tokens held by the radix tree
 
 
 @dataclass
@@ -193,12 +168,12 @@ class Scheduler:
 
     def abort(self, rid: int) -> None:
         req = self.reqs.get(rid)
-        if req is not None and self._launched(req):
+        if req is not None and is_launched(self, req):
             # read its launched tokens first: no placeholder stays in its output, its pages free now
             self.drain()
             req = self.reqs.get(rid)  # None if those tokens finished it anyway
         if req is not None:
-            self._finish(req, "abort")
+            finish_request(self, req, "abort")
             self.detok.pop(rid, None)
             self.waiting = [r for r in self.waiting if r.rid != rid]
             self.decoder.remove_finished()
@@ -233,11 +208,11 @@ class Scheduler:
             self.drain()  # penalties read every earlier token on the host: no placeholders allowed
         batch, preempted = self.schedule()
         if batch is not None:
-            self.launch(batch, start)
+            run_batch(self, batch, start)
         # With overlap, leave the step just launched running and read the one before; without, read
         # it now.
         while len(self.inflight) > (1 if self.overlap and batch is not None else 0):
-            self.ready_outputs += self.process(*self.inflight.pop(0))
+            self.ready_outputs += process_batch_result(self, *self.inflight.pop(0))
         if self.inflight and not self.reqs:
             # only finished requests are still launched: nothing to overlap, free their pages now
             self.drain()
@@ -249,7 +224,7 @@ class Scheduler:
                               len(self.decoder.running), len(self.waiting),
                               self.cache.num_used_pages, len(preempted),
                               time.perf_counter() - start, self.cache_hit_rate, self.tree_tokens))
-            self._maybe_log(batch, len(outputs))
+            log_decode_stats(self, batch, len(outputs))
         return outputs
 
     def schedule(self) -> tuple[Batch | None, list[Req]]:
@@ -340,58 +315,6 @@ class Scheduler:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay,
                                        self.min_new_token_ratio)
 
-    def launch(self, batch: Batch, start: float) -> None:
-        """Prepare the batch's tensors, advance every request as if its step were done, and submit
-        the step."""
-        # reads the placeholders of the step before, if it is still running
-        fb = self.engine.prepare(batch)
-        self.last_phase = batch.phase
-        if batch.phase == "prefill":
-            self.chunked = None  # set again below if this batch cut a prompt
-        sample_rows, sampled = [], []  # sampled: (request, index of its new token in output_ids)
-        for i, req in enumerate(batch.reqs):
-            # a non-final prefill chunk: nothing to sample yet
-            if req.device_len < len(req.all_ids):
-                req.complete_chunk()
-                self.cache.cache_unfinished(req)  # stage 6: the chunk's pages join the tree at once
-                self.chunked = req
-                continue
-            if batch.phase == "prefill":
-                self.decoder.add(req)  # prompt done: from now on it decodes
-            req.complete_one(-(req.table_idx + 1))  # placeholder: "the token this row samples now"
-            if batch.phase == "prefill":
-                # Stage 6: the prompt's pages join the tree now, not when the request ends, so
-                # requests with the same prefix that arrive while it decodes reuse them. Safe before
-                # the batch has run: whoever reads them is in a later batch, which the device runs
-                # after this one.
-                self.cache.cache_unfinished(req)
-            sample_rows.append(i)
-            sampled.append((req, len(req.output_ids) - 1))
-        reqs = [r for r, _ in sampled]
-        gens = [self.generators.get(r.rid) for r in reqs]
-        engine = self.engine
-        # [S]
-        rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.long, device=engine.device)
-        sel = torch.tensor(sample_rows, dtype=torch.long, device=engine.device)  # [S]
-
-        def device_step() -> torch.Tensor:  # runs on the device worker
-            logits = engine.run(fb)  # [B, vocab]
-            if not reqs:
-                return torch.empty(0, dtype=torch.long, device=engine.device)
-            tokens = sample_tensor(logits[sel], reqs, gens)  # [S], on the device
-            engine.future_tokens[rows] = tokens  # the next step's placeholders read them here
-            return tokens
-
-        timing = StepTiming(self.step_count, batch.phase, batch.size, (start, time.perf_counter()))
-        # Alive until the step is read back: on CUDA the forward stream reads them after this thread
-        # drops them. fb.input_ids is listed on its own because engine.run replaces it with the
-        # resolved ids.
-        keep_alive = [fb, fb.input_ids, rows, sel]
-        # without overlap, this runs the step before returning
-        pending = self.worker.submit(device_step)
-        pending.timing, pending.keep_alive = timing, keep_alive
-        self.inflight.append((batch, sampled, pending))
-
     def shutdown(self) -> None:
         """Read back what is still in flight, then stop the device worker (LLM.close), even if that
         step failed."""
@@ -404,93 +327,4 @@ class Scheduler:
         """Read every launched step now (the pipeline empties; its outputs go out with this
         step's)."""
         while self.inflight:
-            self.ready_outputs += self.process(*self.inflight.pop(0))
-
-    def process(self, batch: Batch, sampled: list[tuple[Req, int]],
-                pending: Pending) -> list[StepOutput]:
-        """Read one launched step's tokens: fill in placeholders, stop checks, detokenize, release
-        finished."""
-        tokens, events = pending.wait()
-        t0 = time.perf_counter()
-        outputs = []
-        for (req, index), token_id in zip(sampled, tokens):
-            # it finished at an earlier step (or was aborted) while this one was in flight
-            if req.finished:
-                continue
-            req.output_ids[index] = token_id
-            self._check_stop(req, token_id, index + 1)
-            # drop the launched tokens after the last one
-            if req.finished and len(req.output_ids) > index + 1:
-                del req.output_ids[index + 1 :]
-                req.device_len, req.cached_len = len(req.all_ids), len(req.all_ids) - 1
-            req.check_invariants()
-            detok = self.detok.pop(req.rid, None) if req.finished else self.detok.get(req.rid)
-            delta = detok.take_delta(final=req.finished) if detok else ""
-            outputs.append(
-                StepOutput(req.rid, [token_id], delta, req.finished, req.finish_reason, req))
-        self.decoder.remove_finished()
-        still_launched = {r.rid for b, _, _ in self.inflight for r in b.reqs}
-        for req in [r for r in self.deferred if r.rid not in still_launched]:
-            self.deferred.remove(req)
-            self.cache.release(req)
-            self.batch_is_full = False
-        if pending.timing is not None and self.record_stats:
-            pending.timing.device = self.worker.times(events)
-            pending.timing.process = (t0, time.perf_counter())
-            self.timings.append(pending.timing)
-        return outputs
-
-    def _check_stop(self, req: Req, token_id: int, num_output: int) -> None:
-        """num_output: the request's output length up to this token (later launched tokens are not
-        counted)."""
-        params = req.sampling_params
-        detok = self.detok.get(req.rid)
-        matched_string = detok.add(token_id) if detok else None
-        if token_id in params.stop_token_ids:
-            self._finish(req, "stop", token_id)
-        elif token_id in self.engine.eos_token_ids and not params.ignore_eos:
-            self._finish(req, "stop", token_id)
-        elif matched_string is not None:
-            self._finish(req, "stop", matched_string)
-        elif (num_output >= params.max_new_tokens
-              or len(req.input_ids) + num_output >= self.engine.max_context_len):
-            self._finish(req, "length")
-
-    def _finish(self, req: Req, reason: str, matched=None) -> None:
-        req.status, req.finish_reason, req.matched_stop = ReqStatus.FINISHED, reason, matched
-        self.batch_is_full = False  # its pages come back (now, or once its launched step is read)
-        if req.table_idx >= 0:
-            if self._launched(req):
-                # a launched batch may still write its KV pages: release after it
-                self.deferred.append(req)
-            else:
-                self.cache.release(req)
-        self.reqs.pop(req.rid, None)
-        self.generators.pop(req.rid, None)
-
-    def _launched(self, req: Req) -> bool:
-        """In a batch launched but not read back yet."""
-        return any(r is req for b, _, _ in self.inflight for r in b.reqs)
-
-    def _maybe_log(self, batch: Batch, num_new_tokens: int) -> None:
-        self._log_tokens += num_new_tokens
-        if (
-            self.log_interval
-            and batch.phase == "decode"
-            and self.step_count % self.log_interval == 0
-        ):
-            now = time.perf_counter()
-            logger.info(
-                "step %d: decode batch %d, %d waiting, KV pages %d/%d used, cache hit rate %.1f%%, "
-                "tree "
-                "%d tokens, gen throughput %.1f tok/s",
-                self.step_count,
-                batch.size,
-                len(self.waiting),
-                self.cache.num_used_pages,
-                self.cache.pool.num_pages,
-                100 * self.cache_hit_rate,
-                self.tree_tokens,
-                self._log_tokens / (now - self._log_time),
-            )
-            self._log_tokens, self._log_time = 0, now
+            self.ready_outputs += process_batch_result(self, *self.inflight.pop(0))

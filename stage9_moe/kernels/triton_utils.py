@@ -3,7 +3,7 @@ interpreter rules.
 
 Triton compiles for GPUs only. On a CPU its interpreter (TRITON_INTERPRET=1, read when `@triton.jit`
 runs) executes the same kernels with NumPy, one program at a time: slow, but the tests run every
-kernel that way. As in the attention backend (attention/triton_backend.py): if torch sees no CUDA
+kernel that way. As in the attention kernels (attention/triton_kernels.py): if torch sees no CUDA
 GPU this module sets TRITON_INTERPRET=1 (unless set already) before importing triton; an explicit
 TRITON_INTERPRET=0 is respected and the kernels then refuse CPU tensors with a clear error.
 

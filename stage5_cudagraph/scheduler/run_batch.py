@@ -1,0 +1,66 @@
+"""Launching a batch (SGLang: Scheduler.run_batch): prepare its tensors, advance every request as
+if its step were done (the token each row samples is a placeholder until the step is read back:
+output_processor.py), and submit the forward pass and sampling to the device worker (overlap.py).
+
+A plain function, not a method: it takes the Scheduler whose requests it advances.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..core import Batch
+from ..sampler import sample_tensor
+from .overlap import StepTiming
+
+if TYPE_CHECKING:  # scheduler.py imports this module
+    from .scheduler import Scheduler
+
+
+def run_batch(scheduler: Scheduler, batch: Batch, start: float) -> None:
+    """Prepare the batch's tensors, advance every request as if its step were done, and submit
+    the step."""
+    # reads the placeholders of the step before, if it is still running
+    fb = scheduler.engine.prepare(batch)
+    scheduler.last_phase = batch.phase
+    if batch.phase == "prefill":
+        scheduler.chunked = None  # set again below if this batch cut a prompt
+    sample_rows, sampled = [], []  # sampled: (request, index of its new token in output_ids)
+    for i, req in enumerate(batch.reqs):
+        # a non-final prefill chunk: nothing to sample yet
+        if req.device_len < len(req.all_ids):
+            req.complete_chunk()
+            scheduler.chunked = req
+            continue
+        if batch.phase == "prefill":
+            scheduler.decoder.add(req)  # prompt done: from now on it decodes
+        req.complete_one(-(req.table_idx + 1))  # placeholder: "the token this row samples now"
+        sample_rows.append(i)
+        sampled.append((req, len(req.output_ids) - 1))
+    reqs = [r for r, _ in sampled]
+    gens = [scheduler.generators.get(r.rid) for r in reqs]
+    engine = scheduler.engine
+    # [S]
+    rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.long, device=engine.device)
+    sel = torch.tensor(sample_rows, dtype=torch.long, device=engine.device)  # [S]
+
+    def device_step() -> torch.Tensor:  # runs on the device worker
+        logits = engine.run(fb)  # [B, vocab]
+        if not reqs:
+            return torch.empty(0, dtype=torch.long, device=engine.device)
+        tokens = sample_tensor(logits[sel], reqs, gens)  # [S], on the device
+        engine.future_tokens[rows] = tokens  # the next step's placeholders read them here
+        return tokens
+
+    timing = StepTiming(scheduler.step_count, batch.phase, batch.size, (start, time.perf_counter()))
+    # Alive until the step is read back: on CUDA the forward stream reads them after this thread
+    # drops them. fb.input_ids is listed on its own because engine.run replaces it with the
+    # resolved ids.
+    keep_alive = [fb, fb.input_ids, rows, sel]
+    # without overlap, this runs the step before returning
+    pending = scheduler.worker.submit(device_step)
+    pending.timing, pending.keep_alive = timing, keep_alive
+    scheduler.inflight.append((batch, sampled, pending))
