@@ -1,12 +1,14 @@
 """One workload through every stage of the course, with Hugging Face's two offline engines as peers, in one run.
 
     python -m common.bench progression [--model M] [--num-requests 32] [--max-new-tokens 32] [--out DIR]
+                                   [--peers vllm]
 
 The same requests (SmolLM2, prompts of 32-192 tokens cut from one text, 8-32 tokens out each, greedy with EOS
 ignored, so every system produces the same number of tokens) go through stage 1 (one request at a time), stage 2
 and 3 (one static batch), and stages 4 on (continuous batching), each stage's engine at its defaults on this CPU,
 then through stage 5 in the course's fastest CPU configuration (bfloat16, its compiled decode), then through
-transformers' `generate` (one padded batch) and its continuous-batching `generate_batch` path. It
+transformers' `generate` (one padded batch) and its continuous-batching `generate_batch` path, and with
+`--peers vllm` through vLLM's CPU build in float32 and bfloat16 (its own environment: common/bench_peers.py). It
 prints tokens/s per system and the tokens' agreement with stage 1 (the golden-checked baseline), and plots the
 progression. The prompts share nothing, so stage 6's prefix cache has nothing to find here: `common.bench radix`
 measures it.
@@ -84,6 +86,11 @@ def bench_progression(args) -> None:
     seconds, tokens["hf_cb"] = run_hf_cb(hf, work, cb)
     hf.destroy_cached_continuous_batching_manager()
     rows.append(("HF generate_batch", seconds))
+    for peer in args.peers:  # vLLM's CPU build, in its own environment and process (common/bench_peers.py)
+        for dtype, label in (("float32", "vLLM-CPU, fp32"), ("bfloat16", "vLLM-CPU, bf16")):
+            seconds, tokens[label] = run_vllm(path, dtype, warm, work)
+            rows.append((label, seconds))
+            print(f"   {label}: {work.output_tokens / seconds:.1f} tok/s", flush=True)
     base = tokens[rows[0][0]]
     peer = dict(rows)["HF generate"]
     print(f"   {'system':22s} {'seconds':>8s} {'tok/s':>7s} {'vs HF generate':>15s} {'same tokens as stage 1':>23s}")
@@ -93,6 +100,17 @@ def bench_progression(args) -> None:
               f"{same:>15d}/{len(base)}")
     if args.out:
         plot(rows, work.output_tokens, Path(args.out))
+
+
+def run_vllm(path: str, dtype: str, warm, work) -> tuple[float, list[list[int]]]:
+    """vLLM-CPU on the same workload, warmed up on the same requests first; its start-up is not timed."""
+    from common.bench_peers import run_peer
+
+    request = {"model": path, "dtype": dtype, "threads": torch.get_num_threads(), "repeats": 1, "batch1": None,
+               "warmup": {"prompts": warm.prompts, "max_new_tokens": warm.max_new_tokens},
+               "offline": {"prompts": work.prompts, "max_new_tokens": work.max_new_tokens}}
+    result = run_peer("vllm", request)["offline"]
+    return min(result["seconds"]), result["token_ids"]
 
 
 def plot(rows, output_tokens: int, out: Path) -> Path:
@@ -105,12 +123,14 @@ def plot(rows, output_tokens: int, out: Path) -> Path:
     names = [n.split("_")[0].replace("stage", "stage ") if n.startswith("stage") and "_" in n else n
              for n, _ in rows]
     tps = [output_tokens / s for _, s in rows]
-    fig, ax = plt.subplots(figsize=(10, 3.6))
-    colors = ["C0" if n.startswith("stage") else "C7" for n in names]
-    ax.bar(names, tps, color=colors)
-    ax.set_ylabel("output tokens / s")
-    ax.set_title("one workload through every stage (SmolLM2-135M, fp32, CPU)")
-    ax.tick_params(axis="x", rotation=30)
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.2))
+    colors = ["C0" if n.startswith("stage") else "C7" for n in names]  # the course, then its peers
+    ax.barh(names, tps, color=colors)
+    ax.invert_yaxis()  # stage 1 on top, in the table's order
+    for y, v in enumerate(tps):
+        ax.text(v, y, f" {v:.0f}", va="center", fontsize=8)
+    ax.set_xlabel("output tokens / s (higher is better)")
+    ax.set_title("one workload through every stage and its peers (SmolLM2-135M, CPU)")
     fig.tight_layout()
     path = out / "progression.png"
     fig.savefig(path, dpi=120)
@@ -124,4 +144,6 @@ def add_parser(sub) -> None:
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--out", default=None, help="write progression.png here")
+    p.add_argument("--peers", nargs="*", default=[], choices=["vllm"],
+                   help="also run vLLM's CPU build (float32 and bfloat16) on the same requests")
     p.set_defaults(func=bench_progression)
