@@ -80,6 +80,17 @@ static inline const T* token_row(const Cache& c, const int32_t* pages, int64_t p
          (p % page_size) * c.token;
 }
 
+// out[h0 + h] = acc[h] / l[h] for the NH heads of an item: the softmax's division, done once at
+// the end of the online pass.
+template <typename T>
+static void write_out(T* out, const float* acc, const float* l, int64_t h0, int64_t NH, int64_t D,
+                      int64_t len) {
+  for (int64_t h = 0; h < NH; ++h) {
+    const float inv = len > 0 ? 1.f / l[h] : 0.f;  // no keys: zeros
+    for (int64_t d = 0; d < D; ++d) out[(h0 + h) * D + d] = T(acc[h * D + d] * inv);
+  }
+}
+
 // Request b's keys for K/V heads [kv0, kv1): q [H, D] of the request in, out [H, D] out. A token's
 // K (V) rows of every head lie together, so one pass reads them in the order they lie.
 template <typename T>
@@ -127,10 +138,7 @@ static void attend(const T* q, T* out, const Cache& kc, const Cache& vc, int64_t
       }
     }
   }
-  for (int64_t h = 0; h < NH; ++h) {
-    const float inv = len > 0 ? 1.f / l[h] : 0.f;  // no keys: zeros
-    for (int64_t d = 0; d < D; ++d) out[(h0 + h) * D + d] = T(acc[h * D + d] * inv);
-  }
+  write_out(out, acc, l, h0, NH, D, len);
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -222,10 +230,11 @@ static void attend_avx512(const T* q, T* out, const Cache& kc, const Cache& vc, 
         const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, sum_lanes(part, hv));
         const float block_max = std::max(m[h], _mm512_reduce_max_ps(s));
         const float correction = std::exp(m[h] - block_max);  // exp(-inf) = 0 at the first block
+        const __m512 pv = _mm512_maskz_mov_ps(
+            live, Vec(_mm512_sub_ps(s, _mm512_set1_ps(block_max))).exp_u20());
         alignas(64) float p[16];
-        _mm512_store_ps(p, _mm512_maskz_mov_ps(
-                               live, Vec(_mm512_sub_ps(s, _mm512_set1_ps(block_max))).exp_u20()));
-        l[h] = l[h] * correction + _mm512_reduce_add_ps(_mm512_load_ps(p));
+        _mm512_store_ps(p, pv);
+        l[h] = l[h] * correction + _mm512_reduce_add_ps(pv);
         m[h] = block_max;
         __m512 o[C];  // values: the head's output in registers for the whole block
         for (int c = 0; c < C; ++c)
@@ -239,10 +248,7 @@ static void attend_avx512(const T* q, T* out, const Cache& kc, const Cache& vc, 
       }
     }
   }
-  for (int64_t h = 0; h < NH; ++h) {
-    const float inv = len > 0 ? 1.f / l[h] : 0.f;  // no keys: zeros
-    for (int64_t d = 0; d < D; ++d) out[(h0 + h) * D + d] = T(acc[h * D + d] * inv);
-  }
+  write_out(out, acc, l, h0, NH, D, len);
 }
 #endif
 
