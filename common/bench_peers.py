@@ -192,6 +192,8 @@ def bench_peers(args) -> None:
             options = {"attention_backend": args.attention_backend, "max_running_requests": args.num_requests}
             if stage_name >= "stage5" and not args.no_compile:  # stage 5's CPU stand-in for CUDA graphs
                 options["enable_torch_compile"] = True
+            if stage_name >= "stage6":  # vLLM runs with prefix caching off: repeated runs would hit the cache
+                options["disable_radix_cache"] = True
             start = time.perf_counter()
             r = run_course(stage_name, path, dtype, work, batch1, args.repeats, options)
             compiled = " +compile" if options.get("enable_torch_compile") else ""

@@ -98,6 +98,8 @@ def bench_profile(args) -> None:
     options = dict(kv.split("=", 1) for kv in args.option)
     options = {k: int(v) if v.isdigit() else {"true": True, "false": False}.get(v.lower(), v)
                for k, v in options.items()}
+    if args.stage >= "stage6":  # the timed and the profiled run repeat the prompts: not from the cache
+        options.setdefault("disable_radix_cache", True)
     stage = importlib.import_module(args.stage)
     llm = stage.LLM(path, dtype=args.dtype, attention_backend=args.attention_backend,
                     max_running_requests=max(args.num_requests, 1), verbose=False, **options)

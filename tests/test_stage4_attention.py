@@ -519,9 +519,37 @@ def test_cpu_decode_matches_torch(cpu_backend, group, KVH, D, page_size, splits,
     assert torch.equal(padded[live], out[live]) and not padded[[i for i in range(len(lens)) if lens[i] == 0]].any()
 
 
-def test_cpu_prefill_is_the_torch_backends(cpu_backend):
+# (query heads, K/V heads, head_dim, page_size): head dims 64 and 128 take the AVX-512 pass where the CPU has it, 16
+# and 80 the portable one; 9 query heads (SmolLM2's) make items of 7 tokens, 32 of 2.
+CPU_EXTEND_CASES = [(6, 2, 16, 4), (9, 3, 64, 16), (32, 8, 128, 16), (4, 4, 80, 1), (2, 1, 64, 4)]
+
+
+# bf16: the two round their float32 results to bfloat16 apart, one step there (2^-6 for outputs in [2, 4))
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("H, KVH, D, page_size", CPU_EXTEND_CASES, ids=[f"h{c[0]}-kv{c[1]}-d{c[2]}-page{c[3]}"
+                                                                           for c in CPU_EXTEND_CASES])
+def test_cpu_extend_matches_torch(cpu_backend, H, KVH, D, page_size, dtype, tol):
+    # Fresh prompts, cached prefixes that end mid-page, one new token after a long prefix, and a 70-token prompt
+    # (several items and key blocks, the causal edge inside a block): every query sees exactly keys 0 .. itself.
+    reqs = extend_reqs(page_size) + [(0, 70), (5, 64)]
+    d = paged_batch(reqs, H, KVH, D, page_size, dtype=dtype, page_major=(H == 9), q_view=(H == 6))
+    out = run(cpu_backend, d, D**-0.5)
+    assert d["fb"].attn_metadata is None  # no host-side layout: the kernel reads the page table
+    ref = run(TorchBackend(), d, D**-0.5)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert max_err(out, ref) < tol
+    if dtype == torch.float32:  # and against the formula itself, in float64
+        cu = d["fb"].cu_seqlens.tolist()
+        for b in range(len(reqs)):
+            want = naive_attention(d["q"][cu[b] : cu[b + 1]], d["k_full"][b], d["v_full"][b], D**-0.5)
+            assert max_err(out[cu[b] : cu[b + 1]], want) < tol
+
+
+def test_cpu_extend_refuses_inconsistent_lengths(cpu_backend):
     d = paged_batch(extend_reqs(4), 6, 2, 16, 4)
-    assert torch.equal(run(cpu_backend, d, 0.25), run(TorchBackend(), d, 0.25))
+    d["fb"].seq_lens = torch.ones_like(d["fb"].seq_lens)  # fewer keys than new tokens
+    with pytest.raises(RuntimeError, match="seq_len below its new tokens"):
+        run(cpu_backend, d, 0.25)
 
 
 def test_cpu_backend_refuses_what_its_kernels_cannot_read(cpu_backend):

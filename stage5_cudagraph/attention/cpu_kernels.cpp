@@ -1,7 +1,7 @@
-// Decode attention that reads the paged KV cache in place, on a CPU (cpu_backend.py builds this
-// file once with torch's C++ extension loader and calls it). One pass over a request's keys, the
-// online softmax of flash-decoding, a block of BLOCK keys at a time, for every query head h (the
-// G = H / KVH heads of one K/V head share its rows):
+// Attention that reads the paged KV cache in place, on a CPU (cpu_backend.py builds this file once
+// with torch's C++ extension loader and calls it). One pass over a request's keys, the online
+// softmax of flash-decoding, a block of BLOCK keys at a time, for every query head h (the G = H /
+// KVH heads of one K/V head share its rows):
 //
 //     s[h, j] = scale * q[b, h] . k[slot(b, j)]                 scores of the block's keys
 //     m'      = max(m, max_j s[h, j]);  acc, l *= exp(m - m')   a larger maximum rescales the past
@@ -10,15 +10,16 @@
 //
 // slot(b, j) = page_table[req_rows[b], j / page_size] * page_size + j % page_size: the same lookup
 // as the torch backend's kv_indices, done while reading instead of copying the keys out first.
-// Every key and value row is read from memory once per step and layer, for the G query heads that
-// share it; nothing is written but the output. Threads take requests one at a time (a request's
-// K/V heads go to different threads when requests are fewer than threads). Arithmetic is float32
-// whatever the cache's dtype (bfloat16 rows are widened as they are read), in ATen's portable
-// vectors (at::vec: AVX-512, AVX2, NEON... chosen when cpu_backend.py builds the file; SGLang's CPU
-// kernels are written the same way). On AVX-512 with head_dim 64 or 128, attend_avx512 does the
-// same pass in fewer instructions (a block's 16 scores summed as one vector, the output kept in
-// registers, the next block's rows prefetched): 1.3x (float32) to 1.5x (bfloat16) the portable
-// pass on a 2-core Zen 5 (`python -m common.bench profile`, per layer call).
+// Decode (paged_decode) has one query per request; prefill (paged_extend) runs the same pass for
+// each new token of a prompt, over the keys up to itself, a few consecutive tokens per work item so
+// that they share every key row they read. Threads take items one at a time (a request's K/V heads
+// go to different threads when requests are fewer than threads). Arithmetic is float32 whatever
+// the cache's dtype (bfloat16 rows are widened as they are read), in ATen's portable vectors
+// (at::vec: AVX-512, AVX2, NEON... chosen when cpu_backend.py builds the file; SGLang's CPU kernels
+// are written the same way). On AVX-512 with head_dim 64 or 128, attend_avx512 does the same pass
+// in fewer instructions and with the memory ahead of it: a block's 16 scores summed as one vector,
+// the outputs of several rows kept in registers while each value row is added into all of them,
+// the next block's rows prefetched head by head (stage 4's README, "the CPU attention kernels").
 // A cache may be any strided view whose head_dim is dense (one layer of the pool is a view into
 // all layers).
 
@@ -33,10 +34,12 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <vector>
 
 using Vec = at::vec::Vectorized<float>;
 
 constexpr int64_t MAX_HEADS = 64;     // query heads (of this rank)
+constexpr int64_t MAX_ROWS = 64;      // (query, head) rows of one work item
 constexpr int64_t MAX_HEAD_DIM = 256;
 constexpr int64_t BLOCK = 16;         // keys scored before their values are read
 
@@ -80,7 +83,18 @@ static inline const T* token_row(const Cache& c, const int32_t* pages, int64_t p
          (p % page_size) * c.token;
 }
 
-// out[h0 + h] = acc[h] / l[h] for the NH heads of an item: the softmax's division, done once at
+// One work item for a thread: nq consecutive queries of one request (1 in decode; up to
+// MAX_ROWS / H new tokens of a prompt in prefill), for its K/V heads [kv0, kv1). Query i sees the
+// request's first len0 + i keys: itself and everything before it (causal).
+template <typename T>
+struct Item {
+  const T* q;  // the first query's [H, D]; the others follow
+  T* out;      // where its [H, D] output goes; the others follow
+  int64_t nq, len0, kv0, kv1;
+  const int32_t* pages;  // the request's row of the page table
+};
+
+// out[h0 + h] = acc[h] / l[h] for the NH heads of one query: the softmax's division, done once at
 // the end of the online pass.
 template <typename T>
 static void write_out(T* out, const float* acc, const float* l, int64_t h0, int64_t NH, int64_t D,
@@ -141,10 +155,22 @@ static void attend(const T* q, T* out, const Cache& kc, const Cache& vc, int64_t
   write_out(out, acc, l, h0, NH, D, len);
 }
 
+// The AVX-512 pass's rows (see attend_avx512 for their order) into their queries' outputs.
+template <typename T>
+static void write_rows(const Item<T>& it, const float* acc, const float* l, const int64_t* len,
+                       int64_t H, int64_t G, int64_t D) {
+  const int64_t per_kv = it.nq * G, R = (it.kv1 - it.kv0) * per_kv;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t qi = (r % per_kv) / G, h = (it.kv0 + r / per_kv) * G + r % G;
+    write_out(it.out + qi * H * D, acc + r * D, l + r, h, 1, D, len[r]);
+  }
+}
+
 #if defined(CPU_CAPABILITY_AVX512)
 // The same pass for head_dim D (a multiple of 16) on AVX-512, arranged so that nothing is
-// reduced one lane at a time: a block's 16 scores of a head come out as one vector (sum_lanes),
-// and a head's output stays in registers while the block's values are added in.
+// reduced one lane at a time and independent work sits side by side: a block's 16 scores of a row
+// come out as one vector (sum_lanes), and the outputs of NT rows sharing a K/V head stay in
+// registers while each value row, read once, is added into all of them.
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const c10::BFloat16* p) {  // 16 bfloat16 -> float32: the high half
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -166,158 +192,259 @@ struct Halving {  // the lanes each step of sum_lanes adds: lo[r] + hi[r] of (a,
     }
   }
 };
+static const Halving halving;
 
 // v[j] -> lane j: the sum of v[j]'s 16 lanes. Four halvings of pairs (15 adds, 30 permutes)
 // instead of 16 separate horizontal sums.
-static inline __m512 sum_lanes(__m512 v[16], const Halving& hv) {
+static inline __m512 sum_lanes(__m512 v[16]) {
   for (int level = 0, count = 16; count > 1; ++level, count /= 2)
     for (int i = 0; i < count / 2; ++i)
-      v[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], hv.lo[level], v[2 * i + 1]),
-                           _mm512_permutex2var_ps(v[2 * i], hv.hi[level], v[2 * i + 1]));
+      v[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], halving.lo[level], v[2 * i + 1]),
+                           _mm512_permutex2var_ps(v[2 * i], halving.hi[level], v[2 * i + 1]));
   return v[0];
 }
 
+// A block's K (V) rows of one head as float32: a float32 cache is read where it lies, bfloat16
+// rows are widened once into buf for every row of the item that reads them.
 template <typename T, int D>
-static void attend_avx512(const T* q, T* out, const Cache& kc, const Cache& vc, int64_t kv0,
-                          int64_t kv1, const int32_t* pages, int64_t len, int64_t page_size,
-                          int64_t G, float scale) {
-  static_assert(BLOCK == 16 && D % 16 == 0, "a block's scores are one vector");
-  static const Halving hv;
-  constexpr int C = D / 16;  // vectors per head row
-  const int64_t h0 = kv0 * G, NH = (kv1 - kv0) * G;
-  alignas(64) float acc[MAX_HEADS * D];
-  float m[MAX_HEADS], l[MAX_HEADS];
-  std::fill(acc, acc + NH * D, 0.f);
-  std::fill(m, m + NH, -INFINITY);
-  std::fill(l, l + NH, 0.f);
-  const T *krow[BLOCK], *vrow[BLOCK];
-  for (int64_t first = 0; first < len; first += BLOCK) {
-    const int n = int(std::min(BLOCK, len - first));
-    for (int j = 0; j < n; ++j) {
-      krow[j] = token_row<T>(kc, pages, first + j, page_size);
-      vrow[j] = token_row<T>(vc, pages, first + j, page_size);
-    }
-    const __mmask16 live = __mmask16((1u << n) - 1);
-    // The next block's rows lie on other pages, anywhere in the pool: ask for them now, while this
-    // block computes (measured: ~7% in bfloat16, where reading is a larger share of the time)
-    const int64_t row_bytes = kc.head * (kv1 - kv0) * int64_t(sizeof(T));
-    for (int64_t p = first + BLOCK; p < std::min(first + 2 * BLOCK, len); ++p) {
-      const T* k = token_row<T>(kc, pages, p, page_size) + kv0 * kc.head;
-      const T* v = token_row<T>(vc, pages, p, page_size) + kv0 * vc.head;
-      for (int64_t b = 0; b < row_bytes; b += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(k) + b, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(v) + b, _MM_HINT_T0);
+static inline void block_rows(const T* const* krow, const T* const* vrow, int64_t khead,
+                              int64_t vhead, int n, float* kbuf, float* vbuf, const float** kp,
+                              const float** vp) {
+  for (int j = 0; j < n; ++j) {
+    if constexpr (std::is_same_v<T, float>) {
+      kp[j] = krow[j] + khead;
+      vp[j] = vrow[j] + vhead;
+    } else {
+      for (int c = 0; c < D / 16; ++c) {
+        _mm512_store_ps(kbuf + j * D + c * 16, load16(krow[j] + khead + c * 16));
+        _mm512_store_ps(vbuf + j * D + c * 16, load16(vrow[j] + vhead + c * 16));
       }
+      kp[j] = kbuf + j * D;
+      vp[j] = vbuf + j * D;
     }
-    for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
-      // The block's K and V rows of this head as float32, once for the G heads sharing them
-      alignas(64) float kf[BLOCK * D], vf[BLOCK * D];
-      for (int j = 0; j < n; ++j)
-        for (int c = 0; c < C; ++c) {
-          _mm512_store_ps(kf + j * D + c * 16, load16(krow[j] + kvh * kc.head + c * 16));
-          _mm512_store_ps(vf + j * D + c * 16, load16(vrow[j] + kvh * vc.head + c * 16));
+  }
+}
+
+template <typename T, int D>
+static void attend_avx512(const Item<T>& it, const Cache& kc, const Cache& vc, int64_t H,
+                          int64_t G, int64_t page_size, float scale) {
+  static_assert(BLOCK == 16 && D % 16 == 0, "a block's scores are one vector");
+  constexpr int C = D / 16;              // vectors per head row
+  constexpr int NT = C <= 4 ? 4 : 2;     // rows in registers together: NT * C <= 16 accumulators
+  const int64_t per_kv = it.nq * G, R = (it.kv1 - it.kv0) * per_kv;
+  // Row r (K/V head kv0 + r / per_kv, query (r % per_kv) / G, its head's G-th share r % G): its
+  // query scaled, its output so far, the online softmax's maximum and sum, its number of keys.
+  alignas(64) float qs[MAX_ROWS * D], acc[MAX_ROWS * D];
+  float m[MAX_ROWS], l[MAX_ROWS];
+  int64_t len[MAX_ROWS];
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t qi = (r % per_kv) / G, h = (it.kv0 + r / per_kv) * G + r % G;
+    for (int c = 0; c < C; ++c)
+      _mm512_store_ps(qs + r * D + c * 16,
+                      _mm512_mul_ps(load16(it.q + qi * H * D + h * D + c * 16),
+                                    _mm512_set1_ps(scale)));
+    len[r] = it.len0 + qi;
+  }
+  std::fill(acc, acc + R * D, 0.f);
+  std::fill(m, m + R, -INFINITY);
+  std::fill(l, l + R, 0.f);
+  const int64_t max_len = it.len0 + it.nq - 1;
+  const T *krow[BLOCK], *vrow[BLOCK];
+  alignas(64) float kbuf[BLOCK * D], vbuf[BLOCK * D];
+  const float *kp[BLOCK], *vp[BLOCK];
+  for (int64_t first = 0; first < max_len; first += BLOCK) {
+    const int n = int(std::min(BLOCK, max_len - first));
+    for (int j = 0; j < n; ++j) {
+      krow[j] = token_row<T>(kc, it.pages, first + j, page_size);
+      vrow[j] = token_row<T>(vc, it.pages, first + j, page_size);
+    }
+    for (int64_t kvh = it.kv0; kvh < it.kv1; ++kvh) {
+      // The next block's rows of this head lie on other pages, anywhere in the pool: ask for them
+      // while this head's rows compute. A head at a time, spread over the block's work: asking
+      // for every head's rows at once queued more misses than the core tracks, and measured
+      // slower (README, "the CPU attention kernels": 496 -> 392 us float32, 298 -> 220 us bfloat16).
+      for (int64_t p = first + BLOCK; p < std::min(first + 2 * BLOCK, max_len); ++p) {
+        const T* k = token_row<T>(kc, it.pages, p, page_size) + kvh * kc.head;
+        const T* v = token_row<T>(vc, it.pages, p, page_size) + kvh * vc.head;
+        for (int64_t b = 0; b < D * int64_t(sizeof(T)); b += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(k) + b, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(v) + b, _MM_HINT_T0);
         }
-      for (int64_t h = (kvh - kv0) * G; h < (kvh - kv0 + 1) * G; ++h) {
-        __m512 qv[C], part[16];
-        for (int c = 0; c < C; ++c) qv[c] = _mm512_mul_ps(load16(q + (h0 + h) * D + c * 16),
-                                                          _mm512_set1_ps(scale));
-        for (int j = 0; j < 16; ++j) {  // scores: q . k of each key, as 16 lanes to be summed
-          part[j] = _mm512_setzero_ps();
-          if (j < n)
+      }
+      block_rows<T, D>(krow, vrow, kvh * kc.head, kvh * vc.head, n, kbuf, vbuf, kp, vp);
+      const int64_t r_end = (kvh - it.kv0 + 1) * per_kv;
+      for (int64_t r0 = (kvh - it.kv0) * per_kv; r0 < r_end; r0 += NT) {
+        const int nt = int(std::min<int64_t>(NT, r_end - r0));
+        alignas(64) float p[NT][16];
+        float correction[NT];
+        for (int t = 0; t < NT; ++t) {  // scores and softmax of each row, independent chains
+          if (t >= nt) break;
+          const int64_t r = r0 + t;
+          const int live_n = int(std::clamp<int64_t>(len[r] - first, 0, n));
+          if (live_n == 0) {  // a prefill query whose keys all lie before this block
+            _mm512_store_ps(p[t], _mm512_setzero_ps());
+            correction[t] = 1.f;
+            continue;
+          }
+          __m512 qv[C], part[16];
+          for (int c = 0; c < C; ++c) qv[c] = _mm512_load_ps(qs + r * D + c * 16);
+          for (int j = 0; j < 16; ++j) {  // q . k of each key, as 16 lanes to be summed
+            part[j] = _mm512_setzero_ps();
+            if (j < live_n)
+              for (int c = 0; c < C; ++c)
+                part[j] = _mm512_fmadd_ps(qv[c], load16(kp[j] + c * 16), part[j]);
+          }
+          const __mmask16 live = __mmask16((1u << live_n) - 1);
+          const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, sum_lanes(part));
+          const float block_max = std::max(m[r], _mm512_reduce_max_ps(s));
+          correction[t] = std::exp(m[r] - block_max);  // exp(-inf) = 0 at the first block
+          const __m512 pv = _mm512_maskz_mov_ps(
+              live, Vec(_mm512_sub_ps(s, _mm512_set1_ps(block_max))).exp_u20());
+          _mm512_store_ps(p[t], pv);
+          l[r] = l[r] * correction[t] + _mm512_reduce_add_ps(pv);
+          m[r] = block_max;
+        }
+        __m512 o[NT][C];  // values: NT rows' outputs in registers, each value row read once
+        for (int t = 0; t < NT; ++t)
+          if (t < nt)
             for (int c = 0; c < C; ++c)
-              part[j] = _mm512_fmadd_ps(qv[c], _mm512_load_ps(kf + j * D + c * 16), part[j]);
-        }
-        const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, sum_lanes(part, hv));
-        const float block_max = std::max(m[h], _mm512_reduce_max_ps(s));
-        const float correction = std::exp(m[h] - block_max);  // exp(-inf) = 0 at the first block
-        const __m512 pv = _mm512_maskz_mov_ps(
-            live, Vec(_mm512_sub_ps(s, _mm512_set1_ps(block_max))).exp_u20());
-        alignas(64) float p[16];
-        _mm512_store_ps(p, pv);
-        l[h] = l[h] * correction + _mm512_reduce_add_ps(pv);
-        m[h] = block_max;
-        __m512 o[C];  // values: the head's output in registers for the whole block
-        for (int c = 0; c < C; ++c)
-          o[c] = _mm512_mul_ps(_mm512_load_ps(acc + h * D + c * 16), _mm512_set1_ps(correction));
+              o[t][c] = _mm512_mul_ps(_mm512_load_ps(acc + (r0 + t) * D + c * 16),
+                                      _mm512_set1_ps(correction[t]));
         for (int j = 0; j < n; ++j) {
-          const __m512 w = _mm512_set1_ps(p[j]);
-          for (int c = 0; c < C; ++c)
-            o[c] = _mm512_fmadd_ps(w, _mm512_load_ps(vf + j * D + c * 16), o[c]);
+          __m512 v[C];
+          for (int c = 0; c < C; ++c) v[c] = load16(vp[j] + c * 16);
+          for (int t = 0; t < NT; ++t)
+            if (t < nt) {
+              const __m512 w = _mm512_set1_ps(p[t][j]);
+              for (int c = 0; c < C; ++c) o[t][c] = _mm512_fmadd_ps(w, v[c], o[t][c]);
+            }
         }
-        for (int c = 0; c < C; ++c) _mm512_store_ps(acc + h * D + c * 16, o[c]);
+        for (int t = 0; t < NT; ++t)
+          if (t < nt)
+            for (int c = 0; c < C; ++c) _mm512_store_ps(acc + (r0 + t) * D + c * 16, o[t][c]);
       }
     }
   }
-  write_out(out, acc, l, h0, NH, D, len);
+  write_rows(it, acc, l, len, H, G, D);
 }
 #endif
 
-// One request's heads [kv0, kv1): the AVX-512 pass where it applies, else the portable one.
+// One item: the AVX-512 pass where it applies, else the portable one, query by query.
 template <typename T>
-static void attend_any(const T* q, T* out, const Cache& kc, const Cache& vc, int64_t kv0,
-                       int64_t kv1, const int32_t* pages, int64_t len, int64_t page_size,
-                       int64_t G, int64_t D, float scale) {
+static void attend_item(const Item<T>& it, const Cache& kc, const Cache& vc, int64_t H,
+                        int64_t G, int64_t D, int64_t page_size, float scale) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-    if (D == 64)
-      return attend_avx512<T, 64>(q, out, kc, vc, kv0, kv1, pages, len, page_size, G, scale);
-    if (D == 128)
-      return attend_avx512<T, 128>(q, out, kc, vc, kv0, kv1, pages, len, page_size, G, scale);
+    if (D == 64) return attend_avx512<T, 64>(it, kc, vc, H, G, page_size, scale);
+    if (D == 128) return attend_avx512<T, 128>(it, kc, vc, H, G, page_size, scale);
   }
 #endif
-  attend<T>(q, out, kc, vc, kv0, kv1, pages, len, page_size, G, D, scale);
+  for (int64_t i = 0; i < it.nq; ++i)
+    attend<T>(it.q + i * H * D, it.out + i * H * D, kc, vc, it.kv0, it.kv1, it.pages, it.len0 + i,
+              page_size, G, D, scale);
+}
+
+template <typename T>
+static void attend_all(const std::vector<Item<T>>& items, const Cache& kc, const Cache& vc,
+                       int64_t H, int64_t KVH, int64_t D, int64_t page_size, float scale) {
+  const int64_t n = int64_t(items.size());
+  // dynamic: items differ in length
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t i = 0; i < n; ++i)
+    attend_item<T>(items[i], kc, vc, H, H / KVH, D, page_size, scale);
 }
 
 static Cache cache_of(const torch::Tensor& cache) {
   return {cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2)};
 }
 
-template <typename T>
-static void decode_all(const T* q, T* out, const Cache& kc, const Cache& vc, const int32_t* table,
-                       int64_t pt_stride, const int32_t* rows, const int32_t* lens, int64_t B,
-                       int64_t H, int64_t KVH, int64_t D, int64_t page_size, float scale) {
-  const int64_t G = H / KVH, threads = at::get_num_threads();
-  // A thread takes one request at a time (dynamic: they differ in length), all its heads in one
-  // pass; with fewer requests than threads, a request's K/V heads go to different threads.
-  const int64_t split = B < threads ? KVH : 1, heads = KVH / split;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t item = 0; item < B * split; ++item) {
-    const int64_t b = item / split, kv0 = (item % split) * heads;
-    attend_any<T>(q + b * H * D, out + b * H * D, kc, vc, kv0, kv0 + heads,
-              table + rows[b] * pt_stride, lens[b], page_size, G, D, scale);
-  }
-}
-
-// q: [B, H, D]; k_cache, v_cache: [num_pages, page_size, KVH, D] -> out [B, H, D]
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor page_table, torch::Tensor req_rows,
-                           torch::Tensor seq_lens, double scale) {
+static void check_args(const torch::Tensor& q, const torch::Tensor& k_cache,
+                       const torch::Tensor& v_cache, const torch::Tensor& page_table,
+                       const std::vector<torch::Tensor>& int_vectors) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, H, D]");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [N, H, D]");
   for (const auto& cache : {k_cache, v_cache}) {
     TORCH_CHECK(cache.dim() == 4 && cache.stride(3) == 1 && cache.sizes() == k_cache.sizes(),
                 "the caches must be [num_pages, page_size, KVH, D] with head_dim dense");
     TORCH_CHECK(cache.scalar_type() == q.scalar_type(), "q and the caches must share a dtype");
   }
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
   TORCH_CHECK(H % KVH == 0 && H <= MAX_HEADS && D == k_cache.size(3) && D <= MAX_HEAD_DIM,
               "unsupported heads / head_dim");
-  TORCH_CHECK(page_table.scalar_type() == torch::kInt32 && page_table.stride(1) == 1 &&
-                  req_rows.scalar_type() == torch::kInt32 && req_rows.is_contiguous() &&
-                  seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(),
-              "page_table, req_rows and seq_lens must be int32, rows contiguous");
-  auto out = torch::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode", [&] {
-    decode_all<scalar_t>(q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), cache_of(k_cache),
-                         cache_of(v_cache), page_table.data_ptr<int32_t>(), page_table.stride(0),
-                         req_rows.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), B, H, KVH,
-                         D, k_cache.size(1), float(scale));
-  });
+  TORCH_CHECK(page_table.scalar_type() == torch::kInt32 && page_table.stride(1) == 1,
+              "page_table must be int32 with contiguous rows");
+  for (const auto& v : int_vectors)
+    TORCH_CHECK(v.scalar_type() == torch::kInt32 && v.is_contiguous() && v.device().is_cpu(),
+                "req_rows, seq_lens and cu_seqlens must be contiguous int32 CPU tensors");
+}
+
+template <typename T>
+static torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k_cache,
+                         const torch::Tensor& v_cache, const std::vector<Item<T>>& items,
+                         torch::Tensor out, double scale) {
+  attend_all<T>(items, cache_of(k_cache), cache_of(v_cache), q.size(1), k_cache.size(2),
+                q.size(2), k_cache.size(1), float(scale));
   return out;
+}
+
+// Decode. q: [B, H, D], one query per request; k_cache, v_cache: [num_pages, page_size, KVH, D]
+// -> out [B, H, D]. Request b sees its first seq_lens[b] keys.
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor page_table, torch::Tensor req_rows,
+                           torch::Tensor seq_lens, double scale) {
+  check_args(q, k_cache, v_cache, page_table, {req_rows, seq_lens});
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
+  const int32_t *rows = req_rows.data_ptr<int32_t>(), *lens = seq_lens.data_ptr<int32_t>();
+  auto out = torch::empty_like(q);
+  // A thread takes one request at a time, all its heads in one pass; with fewer requests than
+  // threads, a request's K/V heads go to different threads.
+  const int64_t split = B < at::get_num_threads() ? KVH : 1, heads = KVH / split;
+  return AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode", [&] {
+    std::vector<Item<scalar_t>> items;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t s = 0; s < split; ++s)
+        items.push_back({q.data_ptr<scalar_t>() + b * H * D, out.data_ptr<scalar_t>() + b * H * D,
+                         1, lens[b], s * heads, (s + 1) * heads,
+                         page_table.data_ptr<int32_t>() + rows[b] * page_table.stride(0)});
+    return run<scalar_t>(q, k_cache, v_cache, items, out, scale);
+  });
+}
+
+// Prefill (an extend): q: [N, H, D], the new tokens of B requests packed, request b's at
+// [cu_seqlens[b], cu_seqlens[b + 1]); their K/V already stored in the cache. Request b's new
+// tokens are the last of its seq_lens[b] keys, and each sees the keys up to itself.
+torch::Tensor paged_extend(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor page_table, torch::Tensor req_rows,
+                           torch::Tensor cu_seqlens, torch::Tensor seq_lens, double scale) {
+  check_args(q, k_cache, v_cache, page_table, {req_rows, cu_seqlens, seq_lens});
+  const int64_t B = req_rows.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(cu_seqlens.size(0) == B + 1 && seq_lens.size(0) == B, "one entry per request");
+  const int32_t *rows = req_rows.data_ptr<int32_t>(), *cu = cu_seqlens.data_ptr<int32_t>(),
+                *lens = seq_lens.data_ptr<int32_t>();
+  TORCH_CHECK(cu[B] == q.size(0), "cu_seqlens must end at the number of queries");
+  auto out = torch::empty_like(q);
+  // Up to MAX_ROWS / H consecutive queries per item: they share the keys they read.
+  const int64_t per_item = std::max<int64_t>(1, MAX_ROWS / H), KVH = k_cache.size(2);
+  return AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_extend", [&] {
+    std::vector<Item<scalar_t>> items;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t new_tokens = cu[b + 1] - cu[b], prefix = lens[b] - new_tokens;
+      TORCH_CHECK(new_tokens >= 0 && prefix >= 0, "request ", b, ": seq_len below its new tokens");
+      for (int64_t i = 0; i < new_tokens; i += per_item) {
+        const int64_t offset = (cu[b] + i) * H * D;
+        items.push_back({q.data_ptr<scalar_t>() + offset, out.data_ptr<scalar_t>() + offset,
+                         std::min(per_item, new_tokens - i), prefix + i + 1, 0, KVH,
+                         page_table.data_ptr<int32_t>() + rows[b] * page_table.stride(0)});
+      }
+    }
+    return run<scalar_t>(q, k_cache, v_cache, items, out, scale);
+  });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode,
         "softmax(q k^T * scale) v over each request's cached keys, read through the page table");
+  m.def("paged_extend", &paged_extend,
+        "causal attention of each request's new tokens over its cached keys, through the page table");
 }

@@ -1,19 +1,23 @@
-"""The CPU backend: the torch backend's prefill, and a decode that reads the paged KV cache in
-place.
+"""The CPU backend: attention that reads the paged KV cache in place, for prefill and decode.
 
-The torch backend's decode copies every request's keys and values out of the pool (`index_select`
-through `kv_indices`) into dense groups, and SDPA then reads the copies: each K/V row is read twice
-and written once per step and layer, and the copies are fresh memory every time. PyTorch has no
+The torch backend copies every request's keys and values out of the pool (`index_select` through
+`kv_indices`) into dense groups, and SDPA then reads the copies: each K/V row is read twice and
+written once per step and layer, and the copies are fresh memory every time. PyTorch has no
 attention that reads a paged cache, so this backend brings a small one of its own, in C++
 (`cpu_kernels.cpp`, compiled on first use with torch's extension loader, as SGLang's `sgl-kernel`
 and vLLM's CPU build bring theirs):
 
-    out = paged_decode(q, k_cache, v_cache, page_table, req_rows, seq_lens, scale)  # [B, H, D]
+    out = paged_decode(q, k_cache, v_cache, page_table, req_rows, seq_lens, scale)      # [B, H, D]
+    out = paged_extend(q, k_cache, v_cache, page_table, req_rows, cu_seqlens, seq_lens,
+                       scale)                                                           # [N, H, D]
 
-It looks each key up through the page table as it reads it, and makes one pass over a request's
-keys with the online softmax (flash-decoding's): each K/V row is read once, nothing is copied, no
-scores are stored. It reads `seq_lens` and the page table from tensors, so the same call works under
-stage 5's graphs.
+Both look each key up through the page table as they read it, and make one pass over a request's
+keys with the online softmax (flash-decoding's): nothing is copied, no scores are stored. Decode
+has one query per request; prefill (an extend) runs the same pass for every new token, the token
+at position p seeing keys 0..p, with a few consecutive tokens of a prompt sharing each key they
+read. One call covers the whole batch's prompts: the torch backend calls SDPA once per request and
+layer (on a 2-core CPU, 2-3x slower than this pass for prompts of 32-256 tokens). It reads
+`seq_lens` and the page table from tensors, so the same call works under stage 5's graphs.
 
 Building needs a C++ compiler (g++ or clang) and takes ~30 s once; the result is cached (torch's
 extension cache, ~/.cache/torch_extensions). Without a compiler the backend is unavailable and
@@ -35,31 +39,38 @@ _kernels: list = []  # the built module, once
 _build_error: list[str] = []
 
 
-def load_kernels():
-    """Compile (once per machine and source; then from torch's cache) and import the kernels."""
-    if _kernels:
-        return _kernels[0]
-    if _build_error:
-        raise RuntimeError(_build_error[0])
+def build_extension(source: Path, name: str, flags: tuple[str, ...] = ()):
+    """Compile a C++ file (once per machine and source; then from torch's cache) and import it.
+    Raises RuntimeError saying why it did not build."""
     from torch.utils.cpp_extension import load
 
-    # Named by the source's hash: every stage with the same kernels shares one build.
-    digest = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:10]
+    # Named by the source's hash: every stage with the same file shares one build.
+    digest = hashlib.sha1(source.read_bytes()).hexdigest()[:10]
     # at::vec's widest vectors this CPU has (AVX512, AVX2, ...), as ATen's own kernels pick them
     capability = torch.backends.cpu.get_cpu_capability()
     vectors = [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"] \
         if capability in ("AVX2", "AVX512") else []
     try:
-        module = load(name=f"paged_attention_cpu_{digest}_{capability.lower()}",
-                      sources=[str(SOURCE)],
-                      extra_cflags=["-O3", "-march=native", "-fopenmp", *vectors],
-                      extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # noqa: BLE001 — no compiler, a failed build: say why, once
-        _build_error.append(f"the CPU attention kernels did not build ({type(e).__name__}: "
-                            f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''})")
+        return load(name=f"{name}_{digest}_{capability.lower()}", sources=[str(source)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", *vectors, *flags],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # noqa: BLE001 — no compiler, a failed build: say why
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+        raise RuntimeError(f"{source.name} did not build ({type(e).__name__}: {last})") from e
+
+
+def load_kernels():
+    """The attention kernels, built on first use; the same error again if they could not build."""
+    if _kernels:
+        return _kernels[0]
+    if _build_error:
+        raise RuntimeError(_build_error[0])
+    try:
+        _kernels.append(build_extension(SOURCE, "paged_attention_cpu"))
+    except RuntimeError as e:
+        _build_error.append(f"the CPU attention kernels did not build: {e}")
         raise RuntimeError(_build_error[0]) from e
-    _kernels.append(module)
-    return module
+    return _kernels[0]
 
 
 # A torch operator (each stage package registers its own), so that torch.profiler names it and
@@ -81,14 +92,34 @@ def _(q, k_cache, v_cache, page_table, req_rows, seq_lens, scale):
     return torch.empty_like(q)
 
 
+_EXTEND_OP = f"{__name__.split('.')[0]}::paged_extend_attention"
+
+
+@torch.library.custom_op(_EXTEND_OP, mutates_args=())
+def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           page_table: torch.Tensor, req_rows: torch.Tensor,
+                           cu_seqlens: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """q [N, H, D], the new tokens of every request packed -> [N, H, D], causal over each
+    request's cached keys."""
+    return load_kernels().paged_extend(q.contiguous(), k_cache, v_cache, page_table, req_rows,
+                                       cu_seqlens, seq_lens, scale)  # [N, H, D]
+
+
+@paged_extend_attention.register_fake
+def _(q, k_cache, v_cache, page_table, req_rows, cu_seqlens, seq_lens, scale):
+    return torch.empty_like(q)
+
+
 class CpuBackend(TorchBackend):
     name = "cpu"
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        if fb.phase == "decode":  # the kernel reads the page table itself
-            fb.attn_metadata = None
-        else:  # prefill: the torch backend's layout
-            super().init_forward_metadata(fb)
+        fb.attn_metadata = None  # the kernels read the page table themselves
+
+    def prefill(self, q, k, v, k_cache, v_cache, fb: ForwardBatch, scale):
+        return paged_extend_attention(q, k_cache, v_cache, fb.page_table, fb.req_rows,
+                                      fb.cu_seqlens, fb.seq_lens, scale)  # [N, H, D]
 
     def decode(self, q, k_cache, v_cache, fb: ForwardBatch, scale):
         return paged_decode_attention(q, k_cache, v_cache, fb.page_table, fb.req_rows,
