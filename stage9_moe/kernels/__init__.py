@@ -5,11 +5,12 @@
     rotary_embedding               triton_rope.py        layers.RotaryEmbedding
     fused_moe_gate_up, _down       triton_moe.py         moe.fused_experts (the fused MoE path)
 
-Which one runs: Triton on CUDA tensors, torch everywhere else ("auto"). On a CPU Triton could run
-only in its interpreter, far too slow to be a default, and the torch versions are exactly what the
-model computed before it had kernels, so CPU results stay bit-identical. `use_backend("triton")`
-forces the Triton kernels (on a CPU: in the interpreter, which the tests do), `use_backend("torch")`
-forces torch (on a GPU too).
+Which one runs ("auto"): Triton on CUDA tensors; on CPU tensors the four elementwise kernels in C++
+(cpu.py, cpu_ops.cpp: one call per norm instead of ~7 operators), where they build; torch
+everywhere else. On a CPU Triton could run only in its interpreter, far too slow to be a default.
+`use_backend("triton")` forces the Triton kernels (on a CPU: in the interpreter, which the tests
+do), `use_backend("cpu")` the C++ ones, `use_backend("torch")` the torch versions everywhere: what
+the model computed before it had kernels, op for op.
 
 The Triton modules are imported on first use only: `import stage9_moe` never imports triton.
 """
@@ -23,13 +24,14 @@ from typing import Iterator
 
 import torch
 
-from . import native
+from . import cpu, native
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "cpu", "torch")
 _backend = "auto"
 
 __all__ = [
-    "BACKENDS", "use_backend", "current_backend", "use_triton", "triton_unavailable_reason",
+    "BACKENDS", "use_backend", "current_backend", "use_triton", "use_cpu",
+    "triton_unavailable_reason",
     "rmsnorm", "fused_add_rmsnorm", "silu_and_mul", "rotary_embedding", "fused_moe_gate_up",
     "fused_moe_down"
 ]
@@ -44,6 +46,8 @@ def use_backend(name: str) -> Iterator[None]:
         raise ValueError(f"unknown kernel backend {name!r}; choose one of {', '.join(BACKENDS)}")
     if name == "triton" and (reason := triton_unavailable_reason(torch.device("cpu"),
                                                                  any_device=True)):
+        raise RuntimeError(reason)
+    if name == "cpu" and (reason := cpu.unavailable_reason()):
         raise RuntimeError(reason)
     old, _backend = _backend, name
     try:
@@ -74,7 +78,7 @@ def triton_unavailable_reason(device: torch.device, any_device: bool = False) ->
 
 def use_triton(x: torch.Tensor) -> bool:
     """Should the kernel for tensor x be the Triton one? (The rule in the module docstring.)"""
-    if _backend == "torch":
+    if _backend in ("torch", "cpu"):
         return False
     if _backend == "auto":
         return x.is_cuda and triton_unavailable_reason(x.device) is None
@@ -84,11 +88,18 @@ def use_triton(x: torch.Tensor) -> bool:
     return True
 
 
+def use_cpu(x: torch.Tensor) -> bool:
+    """Should the elementwise kernel for tensor x be the C++ one?"""
+    return _backend in ("auto", "cpu") and cpu.applies(x)
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if use_triton(x):
         from .triton_norm import rmsnorm as triton_rmsnorm
 
         return triton_rmsnorm(x, weight, eps)
+    if use_cpu(x):
+        return cpu.rmsnorm(x, weight, eps)
     return native.rmsnorm(x, weight, eps)
 
 
@@ -98,6 +109,8 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
         from .triton_norm import fused_add_rmsnorm as triton_fused_add_rmsnorm
 
         return triton_fused_add_rmsnorm(x, residual, weight, eps)
+    if use_cpu(x):
+        return cpu.fused_add_rmsnorm(x, residual, weight, eps)
     return native.fused_add_rmsnorm(x, residual, weight, eps)
 
 
@@ -106,6 +119,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         from .triton_activation import silu_and_mul as triton_silu_and_mul
 
         return triton_silu_and_mul(x)
+    if use_cpu(x):
+        return cpu.silu_and_mul(x)
     return native.silu_and_mul(x)
 
 
@@ -115,6 +130,8 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         from .triton_rope import rotary_embedding as triton_rotary_embedding
 
         return triton_rotary_embedding(positions, q, k, inv_freq)
+    if use_cpu(q):
+        return cpu.rotary_embedding(positions, q, k, inv_freq)
     return native.rotary_embedding(positions, q, k, inv_freq)
 
 

@@ -1,0 +1,222 @@
+// The four elementwise kernels of kernels/__init__.py for CPU tensors (kernels/cpu.py builds this
+// file once with torch's C++ extension loader). What they save on a CPU is not arithmetic but
+// passes and calls: the torch versions (native.py) run each norm as ~7 operators and RoPE as ~12,
+// each a pass over the rows and a trip through torch's dispatcher; here each is one call and one
+// pass over each row, threads taking rows. Arithmetic is float32 whatever the tensors' dtype,
+// rounded to it where the torch versions round (so bfloat16 results match theirs op for op), and
+// built with -ffp-contract=off: a * b + c stays two roundings, as in torch, not one fused FMA.
+// Vectorized<float> (ATen's portable vectors) where a row's work is a reduction or a
+// transcendental: the same exp / cos / sin torch's own CPU kernels call.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <cmath>
+#include <vector>
+
+using Vec = at::vec::Vectorized<float>;
+
+template <typename T>
+static inline void to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = float(src[i]);
+}
+
+template <typename T>
+static inline float rounded(float x) {  // x as the tensor's dtype would hold it
+  return float(T(x));
+}
+
+// out[r] = w * T(x[r] / sqrt(mean(x[r]^2) + eps)); with res: first x[r] = T(x[r] + res[r]),
+// written to res_out[r] (the residual stream after the add).
+template <typename T>
+static void rmsnorm_rows(const torch::Tensor& x, const torch::Tensor& res, torch::Tensor& res_out,
+                         const torch::Tensor& weight, torch::Tensor& out, double eps) {
+  const int64_t N = x.size(0), D = x.size(1);
+  const T *xp = x.data_ptr<T>(), *rp = res.defined() ? res.data_ptr<T>() : nullptr;
+  T *op = out.data_ptr<T>(), *rop = res_out.defined() ? res_out.data_ptr<T>() : nullptr;
+  const int64_t xs = x.stride(0), rs = res.defined() ? res.stride(0) : 0;
+  std::vector<float> w(D);
+  to_float(weight.data_ptr<T>(), w.data(), D);
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(D);
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(xp + r * xs, row.data(), D);
+      if (rp) {
+        for (int64_t i = 0; i < D; ++i) {
+          row[i] = rounded<T>(row[i] + float(rp[r * rs + i]));
+          rop[r * D + i] = T(row[i]);
+        }
+      }
+      Vec sum(0.f);
+      int64_t i = 0;
+      for (; i + Vec::size() <= D; i += Vec::size()) {
+        const Vec v = Vec::loadu(row.data() + i);
+        sum = sum + v * v;
+      }
+      float ss = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, sum);
+      for (; i < D; ++i) ss += row[i] * row[i];
+      const float inv = 1.f / std::sqrt(ss / float(D) + float(eps));
+      for (int64_t d = 0; d < D; ++d) op[r * D + d] = T(w[d] * rounded<T>(row[d] * inv));
+    }
+  });
+}
+
+static void check_rows(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1,
+              name, " must be a CPU [rows, dim] tensor with dim dense");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16,
+              name, " must be float32 or bfloat16");
+}
+
+// x [N, D], weight [D] -> rmsnorm(x) [N, D]
+torch::Tensor rmsnorm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(), "weight must be x's [D], its dtype");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  torch::Tensor none;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rmsnorm", [&] {
+    rmsnorm_rows<scalar_t>(x, none, none, weight, out, eps);
+  });
+  return out;
+}
+
+// (rmsnorm(x + residual), x + residual), both [N, D]
+std::vector<torch::Tensor> fused_add_rmsnorm(torch::Tensor x, torch::Tensor residual,
+                                             torch::Tensor weight, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "residual must be x's shape and dtype");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(), "weight must be x's [D], its dtype");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  auto res_out = torch::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "fused_add_rmsnorm", [&] {
+    rmsnorm_rows<scalar_t>(x, residual, res_out, weight, out, eps);
+  });
+  return {out, res_out};
+}
+
+// x [N, 2d] (gate | up) -> T(silu(gate)) * up [N, d]; silu(g) = g / (1 + exp(-g)) as torch's
+template <typename T>
+static void silu_and_mul_rows(const torch::Tensor& x, torch::Tensor& out) {
+  const int64_t N = x.size(0), d = x.size(1) / 2, xs = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> gate(d), up(d);
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(xp + r * xs, gate.data(), d);
+      to_float(xp + r * xs + d, up.data(), d);
+      int64_t i = 0;
+      for (; i + Vec::size() <= d; i += Vec::size()) {
+        const Vec g = Vec::loadu(gate.data() + i);
+        (g / (Vec(1.f) + g.neg().exp())).store(gate.data() + i);
+      }
+      for (; i < d; ++i) gate[i] = gate[i] / (1.f + std::exp(-gate[i]));
+      for (int64_t j = 0; j < d; ++j) op[r * d + j] = T(rounded<T>(gate[j]) * up[j]);
+    }
+  });
+}
+
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "x must be [rows, 2 * d]: gate, then up");
+  auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_rows<scalar_t>(x, out);
+  });
+  return out;
+}
+
+// Neox RoPE of one token's heads: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), each product
+// and sum rounded to T as torch's `x * cos + rotate_half(x) * sin` rounds them.
+template <typename T>
+static inline void rotate_heads(const T* x, int64_t heads, int64_t head_stride, T* out,
+                                const float* cos, const float* sin, int64_t half) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const T* xh = x + h * head_stride;
+    T* oh = out + h * 2 * half;
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = float(xh[i]), x2 = float(xh[i + half]);
+      oh[i] = T(rounded<T>(x1 * cos[i]) + rounded<T>(-x2 * sin[i]));
+      oh[i + half] = T(rounded<T>(x2 * cos[i]) + rounded<T>(x1 * sin[i]));
+    }
+  }
+}
+
+template <typename T>
+static void rope_tokens(const torch::Tensor& positions, const torch::Tensor& q,
+                        const torch::Tensor& k, const torch::Tensor& inv_freq, torch::Tensor& q_out,
+                        torch::Tensor& k_out) {
+  const int64_t N = q.size(0), H = q.size(1), KVH = k.size(1), half = q.size(2) / 2;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* inv = inv_freq.data_ptr<float>();
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> angle(half), cos(half), sin(half);
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t i = 0; i < half; ++i) angle[i] = float(pos[n]) * inv[i];
+      int64_t i = 0;
+      for (; i + Vec::size() <= half; i += Vec::size()) {
+        const Vec a = Vec::loadu(angle.data() + i);
+        a.cos().store(cos.data() + i);
+        a.sin().store(sin.data() + i);
+      }
+      for (; i < half; ++i) {
+        cos[i] = std::cos(angle[i]);
+        sin[i] = std::sin(angle[i]);
+      }
+      for (int64_t j = 0; j < half; ++j) {  // cos and sin in the model's dtype, as transformers
+        cos[j] = rounded<T>(cos[j]);
+        sin[j] = rounded<T>(sin[j]);
+      }
+      rotate_heads<T>(q.data_ptr<T>() + n * q.stride(0), H, q.stride(1),
+                      q_out.data_ptr<T>() + n * H * 2 * half, cos.data(), sin.data(), half);
+      rotate_heads<T>(k.data_ptr<T>() + n * k.stride(0), KVH, k.stride(1),
+                      k_out.data_ptr<T>() + n * KVH * 2 * half, cos.data(), sin.data(), half);
+    }
+  });
+}
+
+// positions [N] int64, q [N, H, D], k [N, KVH, D] (any strides with D dense), inv_freq [D/2]
+// float32 -> (q rotated, k rotated), contiguous.
+std::vector<torch::Tensor> rotary_embedding(torch::Tensor positions, torch::Tensor q,
+                                            torch::Tensor k, torch::Tensor inv_freq) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 &&
+                  q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(2) % 2 == 0,
+              "q, k must be [N, heads, D] with D even and dense");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() &&
+                  (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16),
+              "q and k must share a dtype, float32 or bfloat16");
+  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous() &&
+                  positions.numel() == q.size(0), "positions must be int64 [N]");
+  TORCH_CHECK(inv_freq.scalar_type() == torch::kFloat && inv_freq.is_contiguous() &&
+                  inv_freq.numel() == q.size(2) / 2, "inv_freq must be float32 [D/2]");
+  auto q_out = torch::empty(q.sizes(), q.options()), k_out = torch::empty(k.sizes(), k.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "rotary_embedding", [&] {
+    rope_tokens<scalar_t>(positions, q, k, inv_freq, q_out, k_out);
+  });
+  return {q_out, k_out};
+}
+
+// Registered as torch operators (stage9_moe_cpu::rmsnorm, ...): called through torch's dispatcher
+// like its own operators, so torch.profiler names them and they cost no more to call.
+TORCH_LIBRARY(stage9_moe_cpu, m) {
+  m.def("rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps) -> Tensor[]");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor inv_freq) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(stage9_moe_cpu, CPU, m) {
+  m.impl("rmsnorm", &rmsnorm);
+  m.impl("fused_add_rmsnorm", &fused_add_rmsnorm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding", &rotary_embedding);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

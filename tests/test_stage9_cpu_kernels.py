@@ -1,0 +1,102 @@
+"""Stage 9's C++ elementwise kernels for CPU tensors (kernels/cpu.py, cpu_ops.cpp) against their torch versions
+(kernels/native.py), on odd shapes and strided views; and which one "auto" picks.
+
+float32: the same formulas, summed in another order (RMSNorm) or through other exp/cos/sin calls in the last bit.
+bfloat16: rounded where torch rounds, so at most one bfloat16 step apart where a float32 difference crosses a
+rounding boundary. The golden tests (stage 9 on CPU runs these kernels) check that tokens stay exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stage9_moe import kernels
+from stage9_moe.kernels import cpu, native
+
+if cpu.unavailable_reason():
+    pytest.skip(cpu.unavailable_reason(), allow_module_level=True)
+
+
+def rand(*shape, dtype=torch.float32, scale=1.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, fp32_tol: float = 2e-6) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = dict(atol=fp32_tol, rtol=fp32_tol) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", [(1, 64), (7, 96), (300, 576), (3, 37)])
+def test_cpu_rmsnorm_matches_torch(dtype, rows, dim):
+    x, w = rand(rows, dim, dtype=dtype, scale=3), rand(dim, dtype=dtype, seed=1)
+    close(cpu.rmsnorm(x, w, 1e-6), native.rmsnorm(x, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", [(1, 64), (13, 200), (70, 576)])
+def test_cpu_fused_add_rmsnorm_matches_torch(dtype, rows, dim):
+    x, r, w = rand(rows, dim, dtype=dtype), rand(rows, dim, dtype=dtype, seed=2), rand(dim, dtype=dtype, seed=1)
+    got, got_res = cpu.fused_add_rmsnorm(x, r, w, 1e-6)
+    want, want_res = native.fused_add_rmsnorm(x, r, w, 1e-6)
+    assert torch.equal(got_res, want_res)  # one add of two same-dtype numbers: the same bits
+    close(got, want, dtype)
+
+
+def test_cpu_rmsnorm_of_a_strided_view():
+    """Qwen3's q_norm reads q, a non-contiguous [N, H, D] view of the merged qkv."""
+    qkv = rand(5, 3 * 4 * 32)
+    q = qkv[:, : 4 * 32].view(5, 4, 32)
+    w = rand(32, seed=3)
+    close(cpu.rmsnorm(q, w, 1e-6), native.rmsnorm(q, w, 1e-6), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,d", [(1, 48), (33, 100), (3, 1536), (2, 7)])
+def test_cpu_silu_and_mul_matches_torch(dtype, rows, d):
+    x = rand(rows, 2 * d, dtype=dtype, scale=4)
+    close(cpu.silu_and_mul(x), native.silu_and_mul(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,heads,kv_heads,head_dim", [(1, 4, 2, 32), (13, 9, 3, 64), (40, 3, 3, 128), (5, 2, 1, 20)])
+def test_cpu_rope_matches_torch(dtype, n, heads, kv_heads, head_dim):
+    qkv = rand(n, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)  # strided views
+    q, k = q.view(n, heads, head_dim), k.view(n, kv_heads, head_dim)
+    positions = torch.randint(0, 4000, (n,), generator=torch.Generator().manual_seed(n))
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    got_q, got_k = cpu.rotary_embedding(positions, q, k, inv_freq)
+    want_q, want_k = native.rotary_embedding(positions, q, k, inv_freq)
+    close(got_q, want_q, dtype, fp32_tol=1e-5)  # cos/sin of angles up to 4000 rad: a few ulps of the angle
+    close(got_k, want_k, dtype, fp32_tol=1e-5)
+
+
+def test_auto_picks_the_cpu_kernels_on_a_cpu_and_torch_can_be_forced():
+    x, w = rand(3, 8), torch.ones(8)
+    assert kernels.current_backend() == "auto" and kernels.use_cpu(x) and not kernels.use_triton(x)
+    assert not kernels.use_cpu(x.double())  # dtypes the C++ does not take: torch
+    with kernels.use_backend("torch"):
+        assert not kernels.use_cpu(x)
+        assert torch.equal(kernels.rmsnorm(x, w, 1e-6), native.rmsnorm(x, w, 1e-6))
+    with kernels.use_backend("cpu"):
+        assert kernels.use_cpu(x)
+        assert torch.equal(kernels.rmsnorm(x, w, 1e-6), cpu.rmsnorm(x, w, 1e-6))
+
+
+def test_cpu_kernels_refuse_bad_input():
+    with pytest.raises(RuntimeError, match="weight must be"):
+        cpu.rmsnorm(torch.randn(2, 8), torch.ones(7), 1e-6)
+    with pytest.raises(RuntimeError, match="gate, then up"):
+        cpu.silu_and_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="residual must be"):
+        cpu.fused_add_rmsnorm(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="positions must be int64"):
+        cpu.rotary_embedding(torch.zeros(2, dtype=torch.int32), torch.randn(2, 2, 8), torch.randn(2, 1, 8),
+                             torch.ones(4))
