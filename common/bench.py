@@ -247,12 +247,13 @@ def main(argv: list[str] | None = None) -> None:
     offline.add_argument("--peers", nargs="*", choices=["vllm", "llama.cpp"], default=None,
                          help="instead: the course's engines (--stages) in --dtypes against these CPU peers, each in "
                               "its own environment (common/bench_peers.py), offline and batch-1 decode")
-    offline.add_argument("--stages", nargs="+", default=["stage4_scheduler", "stage5_cudagraph"],
-                         help="with --peers: the course's engines (stage 5 on: with enable_torch_compile)")
+    offline.add_argument("--stages", nargs="+", default=["stage4_scheduler", "stage5_cudagraph", "stage9_moe"],
+                         help="with --peers: the course's engines (stage 5 on: with enable_torch_compile; stage 6 "
+                              "on: radix cache off, as vLLM runs without prefix caching)")
     offline.add_argument("--no-compile", action="store_true", help="with --peers: stage 5 on eagerly")
     offline.add_argument("--attention-backend", default="cpu", choices=["cpu", "torch"],
-                         help="with --peers: the course's attention backend (cpu: decode reads the paged cache in "
-                              "place, C++ kernels; torch: gather, then SDPA)")
+                         help="with --peers: the course's attention backend (cpu: prefill and decode read the paged "
+                              "cache in place, C++ kernels; torch: gather, then SDPA)")
     offline.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     offline.add_argument("--repeats", type=int, default=2, help="with --peers: best of this many runs each")
     offline.add_argument("--batch1-tokens", type=int, default=128, help="with --peers: tokens of batch-1 decode")

@@ -152,7 +152,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--workload", default="offline", choices=["offline", "batch1"])
     p.add_argument("--attention-backend", default="cpu", choices=["torch", "cpu"],
-                   help="cpu: decode reads the paged cache in place (C++ kernels); torch: gather, then SDPA")
+                   help="cpu: prefill and decode read the paged cache in place (C++ kernels); torch: gather, then SDPA")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--option", nargs="*", default=[], help="engine options, e.g. cpu_graph=true")
