@@ -169,7 +169,7 @@ _PACKAGE = __name__.split(".")[0]  # each stage package registers its own operat
 _LIB = torch.library.Library(_PACKAGE, "FRAGMENT")
 _LIB.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIB.impl("onednn_linear",
-          lambda x, weight, bias: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], ""),
+          lambda x, w, bias: torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], ""),
           "CompositeExplicitAutograd")
 torch.library.register_fake(f"{_PACKAGE}::onednn_linear", lib=_LIB)(
     lambda x, weight, bias: x.new_empty(x.shape[0], weight.shape[0]))
