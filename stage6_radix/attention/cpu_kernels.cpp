@@ -19,7 +19,7 @@
 // are written the same way). On AVX-512 with head_dim 64 or 128, attend_avx512 does the same pass
 // in fewer instructions and with the memory ahead of it: a block's 16 scores summed as one vector,
 // the outputs of several rows kept in registers while each value row is added into all of them,
-// the next block's rows prefetched head by head (stage 4's README, "the CPU attention kernels").
+// the next block's rows prefetched head by head (stage 4's README, "CPU kernels, and bfloat16").
 // A cache may be any strided view whose head_dim is dense (one layer of the pool is a view into
 // all layers).
 
@@ -40,6 +40,7 @@ using Vec = at::vec::Vectorized<float>;
 
 constexpr int64_t MAX_HEADS = 64;     // query heads (of this rank)
 constexpr int64_t MAX_ROWS = 64;      // (query, head) rows of one work item
+static_assert(MAX_ROWS >= MAX_HEADS, "a decode item is one query's heads");
 constexpr int64_t MAX_HEAD_DIM = 256;
 constexpr int64_t BLOCK = 16;         // keys scored before their values are read
 
@@ -155,14 +156,24 @@ static void attend(const T* q, T* out, const Cache& kc, const Cache& vc, int64_t
   write_out(out, acc, l, h0, NH, D, len);
 }
 
-// The AVX-512 pass's rows (see attend_avx512 for their order) into their queries' outputs.
+// The AVX-512 pass's rows, K/V head by K/V head: row r is query qi's head h, where
+// r = (h / G - kv0) * nq * G + qi * G + h % G (the rows sharing a K/V head lie together).
+struct Row {
+  int64_t qi, h;
+};
+template <typename T>
+static inline Row row_of(const Item<T>& it, int64_t r, int64_t G) {
+  const int64_t per_kv = it.nq * G;
+  return {(r % per_kv) / G, (it.kv0 + r / per_kv) * G + r % G};
+}
+
+// The AVX-512 pass's rows into their queries' outputs.
 template <typename T>
 static void write_rows(const Item<T>& it, const float* acc, const float* l, const int64_t* len,
                        int64_t H, int64_t G, int64_t D) {
-  const int64_t per_kv = it.nq * G, R = (it.kv1 - it.kv0) * per_kv;
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t qi = (r % per_kv) / G, h = (it.kv0 + r / per_kv) * G + r % G;
-    write_out(it.out + qi * H * D, acc + r * D, l + r, h, 1, D, len[r]);
+  for (int64_t r = 0; r < (it.kv1 - it.kv0) * it.nq * G; ++r) {
+    const Row row = row_of(it, r, G);
+    write_out(it.out + row.qi * H * D, acc + r * D, l + r, row.h, 1, D, len[r]);
   }
 }
 
@@ -232,18 +243,18 @@ static void attend_avx512(const Item<T>& it, const Cache& kc, const Cache& vc, i
   constexpr int C = D / 16;              // vectors per head row
   constexpr int NT = C <= 4 ? 4 : 2;     // rows in registers together: NT * C <= 16 accumulators
   const int64_t per_kv = it.nq * G, R = (it.kv1 - it.kv0) * per_kv;
-  // Row r (K/V head kv0 + r / per_kv, query (r % per_kv) / G, its head's G-th share r % G): its
-  // query scaled, its output so far, the online softmax's maximum and sum, its number of keys.
+  // Row r (row_of): its query scaled, its output so far, the online softmax's maximum and sum,
+  // its number of keys.
   alignas(64) float qs[MAX_ROWS * D], acc[MAX_ROWS * D];
   float m[MAX_ROWS], l[MAX_ROWS];
   int64_t len[MAX_ROWS];
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t qi = (r % per_kv) / G, h = (it.kv0 + r / per_kv) * G + r % G;
+    const Row row = row_of(it, r, G);
     for (int c = 0; c < C; ++c)
       _mm512_store_ps(qs + r * D + c * 16,
-                      _mm512_mul_ps(load16(it.q + qi * H * D + h * D + c * 16),
+                      _mm512_mul_ps(load16(it.q + row.qi * H * D + row.h * D + c * 16),
                                     _mm512_set1_ps(scale)));
-    len[r] = it.len0 + qi;
+    len[r] = it.len0 + row.qi;
   }
   std::fill(acc, acc + R * D, 0.f);
   std::fill(m, m + R, -INFINITY);
@@ -262,7 +273,7 @@ static void attend_avx512(const Item<T>& it, const Cache& kc, const Cache& vc, i
       // The next block's rows of this head lie on other pages, anywhere in the pool: ask for them
       // while this head's rows compute. A head at a time, spread over the block's work: asking
       // for every head's rows at once queued more misses than the core tracks, and measured
-      // slower (README, "the CPU attention kernels": 496 -> 392 us float32, 298 -> 220 us bfloat16).
+      // slower (stage 4's README, "CPU kernels, and bfloat16": 496 -> 392 / 298 -> 220 us).
       for (int64_t p = first + BLOCK; p < std::min(first + 2 * BLOCK, max_len); ++p) {
         const T* k = token_row<T>(kc, it.pages, p, page_size) + kvh * kc.head;
         const T* v = token_row<T>(vc, it.pages, p, page_size) + kvh * vc.head;

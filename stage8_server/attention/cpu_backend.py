@@ -31,8 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .base import ForwardBatch
-from .torch_backend import TorchBackend
+from .base import AttentionBackend, ForwardBatch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _kernels: list = []  # the built module, once
@@ -111,7 +110,7 @@ def _(q, k_cache, v_cache, page_table, req_rows, cu_seqlens, seq_lens, scale):
     return torch.empty_like(q)
 
 
-class CpuBackend(TorchBackend):
+class CpuBackend(AttentionBackend):
     name = "cpu"
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:

@@ -70,11 +70,15 @@ static void check_rows(const torch::Tensor& x, const char* name) {
               name, " must be float32 or bfloat16");
 }
 
+static void check_weight(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(), "weight must be x's [D], its dtype");
+}
+
 // x [N, D], weight [D] -> rmsnorm(x) [N, D]
 torch::Tensor rmsnorm(torch::Tensor x, torch::Tensor weight, double eps) {
   check_rows(x, "x");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
-                  weight.scalar_type() == x.scalar_type(), "weight must be x's [D], its dtype");
+  check_weight(x, weight);
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
   torch::Tensor none;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rmsnorm", [&] {
@@ -90,8 +94,7 @@ std::vector<torch::Tensor> fused_add_rmsnorm(torch::Tensor x, torch::Tensor resi
   check_rows(residual, "residual");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
               "residual must be x's shape and dtype");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
-                  weight.scalar_type() == x.scalar_type(), "weight must be x's [D], its dtype");
+  check_weight(x, weight);
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
   auto res_out = torch::empty({x.size(0), x.size(1)}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "fused_add_rmsnorm", [&] {
