@@ -20,7 +20,7 @@ from collections import defaultdict
 import torch
 
 KINDS = {  # operator name fragments -> kind; the first match wins
-    "matmul": ("linear", "addmm", "aten::mm", "bmm", "matmul", "mkldnn", "mkl_linear"),
+    "matmul": ("linear", "addmm", "aten::mm", "bmm", "matmul", "mkldnn", "mkl_linear", "gemv"),
     "attention": ("scaled_dot_product", "flash_attention", "attention"),
     "KV copies": ("index_select", "index_put", "aten::index", "gather", "take"),
     "other copies": ("copy_", "cat", "clone", "contiguous", "stack", "to_copy", "empty", "zero", "fill"),

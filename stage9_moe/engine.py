@@ -28,7 +28,7 @@ from .attention import ForwardBatch, create_backend
 from .core import Batch
 from .graph import CompiledRunner, GraphRunner, can_capture
 from .kv_cache import PageTable, PagedKVPool
-from .layers import pack_linear_weights
+from .layers import gemv_copy_bytes, pack_linear_weights
 from .models import ModelConfig, build_model, replicated_bytes
 from .moe import set_moe_runner_backend
 from .tokenizer import read_eos_token_ids
@@ -91,6 +91,8 @@ class MemoryReport:
     max_context_len: int
     # stage 7: weights every rank holds whole (norms, biases after an all-reduce, shared KV)
     replicated_bytes: int = 0
+    # stage 9 on a CPU: the plain copies of the packed weights that gemv reads (layers.py)
+    gemv_copy_bytes: int = 0
 
     @property
     def param_bytes(self) -> int:
@@ -103,6 +105,8 @@ class MemoryReport:
             f"KV cache {self.kv_bytes_per_token / 1024:.1f} KiB/token ({self.kv_dtype}), "
             f"{_mb(self.kv_bytes_per_token * self.max_context_len)} for one "
             f"{self.max_context_len}-token sequence"
+            + (f"; plain weight copies for gemv {_mb(self.gemv_copy_bytes)}"
+               if self.gemv_copy_bytes else "")
         )
 
 
@@ -344,7 +348,7 @@ class Engine:
                                                    self.dtype)
         return MemoryReport(by_dtype, num_params, kv_per_token,
                             str(self.dtype).removeprefix("torch."), self.max_context_len,
-                            replicated_bytes(self.model))
+                            replicated_bytes(self.model), gemv_copy_bytes(self.model))
 
     @property
     def max_context_len(self) -> int:

@@ -149,9 +149,13 @@ ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if torch.backends.mkldnn.is_avai
 PACK_ROWS_HINT = 64
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           gemv_weight: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) for x [N, in], W [out, in] (plain, or packed by pack_weight): on oneDNN on a
-    CPU, else F.linear."""
+    CPU, else F.linear. Stage 9: a decode step of a few rows reads `gemv_weight`, W's plain copy,
+    with the C++ gemv (kernels/cpu_ops.cpp) instead."""
+    if gemv_weight is not None and x.dim() == 2 and x.shape[0] <= kernels.cpu.GEMV_MAX_ROWS:
+        return kernels.cpu.gemv(x, gemv_weight, bias)  # [N, out]
     if weight.is_mkldnn or (x.device.type == "cpu" and x.dtype in ONEDNN_DTYPES and x.dim() == 2):
         # graph.py's compiled decode: an operator inductor calls as it is
         if torch.compiler.is_compiling():
@@ -190,20 +194,39 @@ def pack_weight(weight: torch.Tensor) -> nn.Parameter:
 
 def pack_linear_weights(model: nn.Module) -> int:
     """After loading, on a CPU: pack every linear layer's weight (this rank's shard) in place of the
-    plain one (the plain storage is freed). An untied LM head is packed the same way; a tied one
-    gets a packed copy beside the embedding, which lookups still read plainly. Returns the number
-    of weights packed."""
+    plain one. An untied LM head is packed the same way; a tied one gets a packed copy beside the
+    embedding, which lookups still read plainly. Stage 9: where the C++ gemv builds, each layer
+    keeps its plain weight too (`gemv_weight`, a buffer), read by decode steps of a few rows: the
+    price is a second copy of the layers' weights in memory. Returns the number of weights
+    packed."""
     linears = (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, ParallelLMHead)
     packed = 0
     for module in model.modules():
         if isinstance(module, linears) and can_pack(module.weight):
+            module.gemv_weight = keep_for_gemv(module.weight)
             module.weight = pack_weight(module.weight)
             packed += 1
     head = getattr(model, "lm_head", None)
     if type(head) is VocabParallelEmbedding and can_pack(head.weight):
+        head.gemv_weight = keep_for_gemv(head.weight)  # the embedding itself: no copy
         head.packed_weight = pack_weight(head.weight).data  # a buffer, not a second parameter
         packed += 1
     return packed
+
+
+def gemv_copy_bytes(model: nn.Module) -> int:
+    """Bytes of the plain copies kept for gemv (a tied LM head's is the embedding: not a copy)."""
+    params = {p.data_ptr() for p in model.parameters() if not p.is_mkldnn}
+    rows = {b.data_ptr(): b.numel() * b.element_size() for name, b in model.named_buffers()
+            if name.endswith("gemv_weight") and b.data_ptr() not in params}
+    return sum(rows.values())
+
+
+def keep_for_gemv(weight: torch.Tensor) -> torch.Tensor | None:
+    """The plain [out, in] weight for kernels.cpu.gemv, or None where it does not run."""
+    use = kernels.current_backend() in ("auto", "cpu") and weight.dtype in kernels.cpu.DTYPES \
+        and kernels.cpu.unavailable_reason() is None
+    return weight.data if use else None
 
 
 def copy_into(dst: torch.Tensor, loaded) -> None:
@@ -253,9 +276,10 @@ class ReplicatedLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
+        self.register_buffer("gemv_weight", None, persistent=False)  # pack_linear_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)  # [N, out]
+        return linear(x, self.weight, self.bias, self.gemv_weight)  # [N, out]
 
 
 class ColumnParallelLinear(nn.Module):
@@ -270,6 +294,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_features = _split(out_features, tp, "output size")  # this rank's rows
         self.weight = _param(self.out_features, in_features)
         self.bias = _param(self.out_features) if bias else None
+        self.register_buffer("gemv_weight", None, persistent=False)  # pack_linear_weights
         for param in self.parameters():
             param.weight_loader = self.weight_loader
 
@@ -280,7 +305,7 @@ class ColumnParallelLinear(nn.Module):
         copy_into(param.data, take_shard(loaded, 0, self.tp.rank, rows, rows * self.tp.size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)  # [N, out / tp]
+        return linear(x, self.weight, self.bias, self.gemv_weight)  # [N, out / tp]
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -357,6 +382,7 @@ class RowParallelLinear(nn.Module):
         self.weight = _param(out_features, self.in_features)
         self.weight.weight_loader = self.weight_loader
         self.bias = _param(out_features) if bias else None  # replicated
+        self.register_buffer("gemv_weight", None, persistent=False)  # pack_linear_weights
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         if shard_id is not None:
@@ -366,7 +392,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [N, out]: partial sums, then summed over ranks
-        y = self.tp.all_reduce(linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight, gemv_weight=self.gemv_weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -385,6 +411,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
         # the LM head's copy of weight, when tied and packed (pack_linear_weights)
         self.register_buffer("packed_weight", None, persistent=False)
+        self.register_buffer("gemv_weight", None, persistent=False)  # the LM head's, for gemv
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         if shard_id is not None:
@@ -410,7 +437,8 @@ class VocabParallelEmbedding(nn.Module):
         """x [B, hidden] -> [B, vocab]: each rank scores its share of the vocabulary, an all-gather
         joins them."""
         weight = self.weight if self.packed_weight is None else self.packed_weight
-        return self.tp.all_gather(linear(x, weight))[:, : self.num_embeddings]
+        logits = linear(x, weight, gemv_weight=self.gemv_weight)  # [B, vocab / tp]
+        return self.tp.all_gather(logits)[:, : self.num_embeddings]
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -100,3 +100,85 @@ def test_cpu_kernels_refuse_bad_input():
     with pytest.raises(RuntimeError, match="positions must be int64"):
         cpu.rotary_embedding(torch.zeros(2, dtype=torch.int32), torch.randn(2, 2, 8), torch.randn(2, 1, 8),
                              torch.ones(4))
+
+
+# ---------------------------------------------------------------- gemv: the matmul of a decode step of one or two rows
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("out_features,in_features,bias", [(576, 576, False), (960, 576, True), (13, 100, True),
+                                                           (3, 5, False), (70, 1536, False), (9, 40, True)])
+def test_cpu_gemv_matches_float64_and_onednn(dtype, rows, out_features, in_features, bias):
+    """Odd sizes reach every tail: rows of W past the last block of 8, K past the last full vector."""
+    x, w = rand(rows, in_features, dtype=dtype), rand(out_features, in_features, dtype=dtype, seed=1)
+    b = rand(out_features, dtype=dtype, seed=2) if bias else None
+    got = cpu.gemv(x, w, b)
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)  # [rows, out]
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), exact, atol=1e-4, rtol=1e-5)
+    else:  # float32 sums rounded once to bfloat16: within one bfloat16 step of the exact value
+        torch.testing.assert_close(got.double(), exact, atol=0.1, rtol=2 ** -8)
+    onednn = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    close(got, onednn, dtype, fp32_tol=1e-4)
+
+
+def test_linear_reads_the_plain_copy_for_one_or_two_rows():
+    """pack_linear_weights keeps each weight's plain rows beside oneDNN's packed copy; layers.linear sends one or two
+    rows to gemv, more to oneDNN; with the torch kernels forced at packing time no copy is kept."""
+    from torch import nn
+
+    from stage9_moe import layers
+
+    model = nn.Sequential(layers.ColumnParallelLinear(64, 40, bias=True), layers.RowParallelLinear(40, 64))
+    for m in model:
+        m.weight.data.copy_(rand(*m.weight.shape, seed=4))
+    model[0].bias.data.copy_(rand(40, seed=5))
+    plain = [m.weight.data.clone() for m in model]
+    assert layers.pack_linear_weights(model) == 2
+    for m, w in zip(model, plain):
+        assert m.weight.is_mkldnn and torch.equal(m.gemv_weight, w)
+    for rows in (1, 2, 3, 8):
+        x = rand(rows, 64, seed=rows)
+        want = cpu.gemv(x, plain[0], model[0].bias) if rows <= cpu.GEMV_MAX_ROWS else \
+            torch.ops.mkldnn._linear_pointwise(x, model[0].weight, model[0].bias, "none", [], "")
+        assert torch.equal(model[0](x), want)
+    compiled = torch.compile(model[1], dynamic=False, fullgraph=True)  # gemv inside a compiled graph
+    x = rand(1, 40, seed=9)
+    assert torch.equal(compiled(x), cpu.gemv(x, plain[1], None))
+    forced = layers.ReplicatedLinear(16, 8)
+    with kernels.use_backend("torch"):
+        layers.pack_linear_weights(nn.Sequential(forced))
+    assert forced.weight.is_mkldnn and forced.gemv_weight is None
+
+
+def test_gemv_refuses_bad_input():
+    with pytest.raises(RuntimeError, match="gemv takes 1 to 2 rows, got 3"):
+        cpu.gemv(torch.randn(3, 8), torch.randn(4, 8), None)
+    with pytest.raises(RuntimeError, match="weight must be a contiguous"):
+        cpu.gemv(torch.randn(1, 8), torch.randn(4, 7), None)
+    with pytest.raises(RuntimeError, match="weight must be a contiguous"):
+        cpu.gemv(torch.randn(1, 8), torch.randn(4, 8, dtype=torch.bfloat16), None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        cpu.gemv(torch.randn(1, 8), torch.randn(4, 8), torch.randn(5))
+
+
+def test_golden_smollm2_one_prompt_at_a_time_through_gemv():
+    """Every decode step of one request runs its matmuls through gemv, eagerly and in the compiled decode: float32
+    gives the reference's tokens."""
+    import stage9_moe
+    from common.golden import failures, load_golden
+    from common.models import resolve_model
+
+    golden = load_golden("smollm2-135m-instruct")
+    params = stage9_moe.SamplingParams(max_new_tokens=golden["max_new_tokens"], temperature=0.0)
+    for compiled in (False, True):
+        llm = stage9_moe.LLM(str(resolve_model("smollm2-135m-instruct")), dtype="float32", verbose=False,
+                             enable_torch_compile=compiled, torch_compile_max_bs=1, max_running_requests=1)
+        assert llm.engine.model.lm_head.gemv_weight is not None or \
+            llm.engine.model.model.embed_tokens.gemv_weight is not None
+        results = [llm.generate([case["prompt"]], params)[0] for case in golden["cases"]]
+        problems = failures(results, golden)
+        assert not problems, f"gemv, compiled={compiled}:\n" + "\n".join(problems)
+        if compiled:
+            assert llm.engine.num_graph_replays == sum(len(r.token_ids) - 1 for r in results)
+        llm.close()

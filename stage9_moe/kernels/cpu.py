@@ -1,4 +1,4 @@
-"""The C++ versions of the elementwise kernels, for CPU tensors (cpu_ops.cpp).
+"""The C++ versions of the elementwise kernels, for CPU tensors (cpu_ops.cpp), and a few-row matmul.
 
 On a CPU the torch versions (native.py) are correct but many: an RMSNorm is ~7 operators, RoPE ~12,
 each a pass over memory and a trip through the dispatcher, and a decode step of a small model runs
@@ -6,6 +6,9 @@ each a pass over memory and a trip through the dispatcher, and a decode step of 
 torch versions compute, rounded where those round; not bit for bit (a sum of squares is added in
 another order, exp/cos/sin may differ in the last bit), which is why the golden tests, not an
 equality with native.py, are their check.
+
+`gemv` is the matmul of a small decode batch (up to GEMV_MAX_ROWS rows): layers.linear calls it,
+compiled decode included, with the weight's plain rows, which pack_linear_weights keeps for it.
 
 Built on first use by the same loader as the attention kernels (attention/cpu_backend.py, ~20 s
 once, cached). Where no compiler is found, or the build fails, the torch versions run instead:
@@ -22,6 +25,7 @@ from ..attention.cpu_backend import build_extension
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 DTYPES = (torch.float32, torch.bfloat16)
+GEMV_MAX_ROWS = 2  # as in cpu_ops.cpp: from 3 or 4 rows on, oneDNN's kernels are as fast
 _ops: list = []
 _error: list[str] = []
 
@@ -31,6 +35,9 @@ def load():
         try:  # a * b + c stays two roundings, as in torch
             build_extension(SOURCE, "fused_ops_cpu", ("-ffp-contract=off", ))
             _ops.append(torch.ops.stage9_moe_cpu)  # the operators the build registered
+            # its output's shape, for torch.compile, which calls gemv inside a compiled decode
+            torch.library.register_fake("stage9_moe_cpu::gemv")(
+                lambda x, weight, bias: x.new_empty(x.shape[0], weight.shape[0]))
         except RuntimeError as e:
             _error.append(f"the CPU elementwise kernels did not build: {e}")
     if _error:
@@ -76,3 +83,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q_out, k_out = load().rotary_embedding(positions, q, k, inv_freq)
     return q_out, k_out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return load().gemv(x, weight, bias)  # x [M, in], weight [out, in] -> [M, out]
