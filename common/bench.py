@@ -14,6 +14,7 @@
     python -m common.bench prompt-logprobs [--prompt-lens 128 512 2048]    stage 8 echo's logprobs
     python -m common.bench grammar [--batch-sizes 1 32] [--device cpu|cuda]  stage 8 structured outputs' mask
     python -m common.bench moe    [--device cpu|cuda] [--repeats 5]        stage 9 MoE layer paths; dense vs MoE LLM
+    python -m common.bench gemv   [--rows 1|2] [--repeats 6]      stage 9 gemv vs oneDNN, one batch-1 step's products
     python -m common.bench progression [--num-requests 32] [--out DIR]  one workload through stages 1-9 and HF
 
 Every workload is greedy with ignore_eos (HF: min_new_tokens = max_new_tokens), so every system generates exactly
@@ -263,8 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     overlap.add_argument("--max-new-tokens", type=int, default=64)
     overlap.add_argument("--repeats", type=int, default=3)
     # later stages' benchmarks live in their own modules
-    from common import (bench_grammar, bench_moe, bench_profile, bench_progression, bench_prompt_logprobs,
-                        bench_radix, bench_serving, bench_tp)
+    from common import (bench_gemv, bench_grammar, bench_moe, bench_profile, bench_progression,
+                        bench_prompt_logprobs, bench_radix, bench_serving, bench_tp)
 
     bench_radix.add_parser(sub)
     bench_tp.add_parser(sub)
@@ -272,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     bench_prompt_logprobs.add_parser(sub)
     bench_grammar.add_parser(sub)
     bench_moe.add_parser(sub)
+    bench_gemv.add_parser(sub)
     bench_progression.add_parser(sub)
     bench_profile.add_parser(sub)
     for command, func in ((batch, bench_batch), (load, bench_load), (offline, bench_offline), (overlap, bench_overlap)):
