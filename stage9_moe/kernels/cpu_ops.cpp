@@ -229,13 +229,12 @@ static inline __m256 sum8(const __m512* a) {
     h[r] = _mm256_add_ps(_mm512_castps512_ps256(a[r]), _mm512_extractf32x8_ps(a[r], 1));
   const __m256 s01 = _mm256_hadd_ps(h[0], h[1]), s23 = _mm256_hadd_ps(h[2], h[3]);
   const __m256 s45 = _mm256_hadd_ps(h[4], h[5]), s67 = _mm256_hadd_ps(h[6], h[7]);
-  // each 128-bit half holds rows (0, 1, 2, 3) resp. (4, 5, 6, 7), partial sums of the two halves
+  // s0123: rows 0-3, each 128-bit half holding the sums of that half's lanes; s4567: rows 4-7
   const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
                        _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 #endif
-
 
 // Rows [n, n + R) of W against the M rows of x (float, [M, K]) -> out[m * N + n + r].
 template <typename T, int R, int M>
