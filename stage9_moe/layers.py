@@ -154,7 +154,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x W^T (+ b) for x [N, in], W [out, in] (plain, or packed by pack_weight): on oneDNN on a
     CPU, else F.linear. Stage 9: a decode step of a few rows reads `gemv_weight`, W's plain copy,
     with the C++ gemv (kernels/cpu_ops.cpp) instead."""
-    if gemv_weight is not None and x.dim() == 2 and x.shape[0] <= kernels.cpu.GEMV_MAX_ROWS:
+    if gemv_weight is not None and x.dim() == 2 and 1 <= x.shape[0] <= kernels.cpu.GEMV_MAX_ROWS:
         return kernels.cpu.gemv(x, gemv_weight, bias)  # [N, out]
     if weight.is_mkldnn or (x.device.type == "cpu" and x.dtype in ONEDNN_DTYPES and x.dim() == 2):
         # graph.py's compiled decode: an operator inductor calls as it is
@@ -224,9 +224,8 @@ def gemv_copy_bytes(model: nn.Module) -> int:
 
 def keep_for_gemv(weight: torch.Tensor) -> torch.Tensor | None:
     """The plain [out, in] weight for kernels.cpu.gemv, or None where it does not run."""
-    use = kernels.current_backend() in ("auto", "cpu") and weight.dtype in kernels.cpu.DTYPES \
-        and kernels.cpu.unavailable_reason() is None
-    return weight.data if use else None
+    use = kernels.current_backend() in ("auto", "cpu") and kernels.cpu.unavailable_reason() is None
+    return weight.data if use else None  # pack_linear_weights calls it for weights can_pack takes
 
 
 def copy_into(dst: torch.Tensor, loaded) -> None:

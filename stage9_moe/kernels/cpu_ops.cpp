@@ -330,33 +330,35 @@ static void gemv_block_dpbf16(const at::BFloat16* w, int64_t K, const at::BFloat
 }
 #endif
 
-template <typename T, int M>
-static void gemv_rows(const T* w, int64_t N, int64_t K, const torch::Tensor& x, const T* bias,
-                      T* out) {
-  constexpr int R = 8;  // M * R accumulators and R rows of W stay in registers
-  at::parallel_for(0, (N + R - 1) / R, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t n = b0 * R; n < std::min(b1 * R, N); n += R) {
-      const int64_t rows = std::min<int64_t>(R, N - n);
-#if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, at::BFloat16>) {
-        const T* xp = x.data_ptr<T>();
-        if (rows == R) gemv_block_dpbf16<R, M>(w, K, xp, bias, out, N, n);
-        else for (int64_t i = n; i < N; ++i) gemv_block_dpbf16<1, M>(w, K, xp, bias, out, N, i);
-        continue;
-      }
-#endif
-      const float* xp = x.data_ptr<float>();
-      if (rows == R) gemv_block<T, R, M>(w, K, xp, bias, out, N, n);
-      else for (int64_t i = n; i < N; ++i) gemv_block<T, 1, M>(w, K, xp, bias, out, N, i);
-    }
-  });
-}
-
 #if defined(__AVX512BF16__)
 constexpr bool kBf16Dot = true;
 #else
 constexpr bool kBf16Dot = false;
 #endif
+
+template <typename T, int M>
+static void gemv_rows(const T* w, int64_t N, int64_t K, const torch::Tensor& x, const T* bias,
+                      T* out) {
+  constexpr int R = 8;  // M * R accumulators and R rows of W stay in registers
+  // x as the blocks read it: bfloat16 for vdpbf16ps, float otherwise (gemv converts it)
+  using X = std::conditional_t<kBf16Dot && std::is_same_v<T, at::BFloat16>, at::BFloat16, float>;
+  const X* xp = x.data_ptr<X>();
+  at::parallel_for(0, (N + R - 1) / R, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t n = b0 * R; n < std::min(b1 * R, N); n += R) {
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<X, at::BFloat16>) {
+        if (n + R <= N) gemv_block_dpbf16<R, M>(w, K, xp, bias, out, N, n);
+        else for (int64_t i = n; i < N; ++i) gemv_block_dpbf16<1, M>(w, K, xp, bias, out, N, i);
+        continue;
+      }
+#endif
+      if constexpr (std::is_same_v<X, float>) {
+        if (n + R <= N) gemv_block<T, R, M>(w, K, xp, bias, out, N, n);
+        else for (int64_t i = n; i < N; ++i) gemv_block<T, 1, M>(w, K, xp, bias, out, N, i);
+      }
+    }
+  });
+}
 
 template <typename T>
 static void gemv_typed(const torch::Tensor& x, const torch::Tensor& weight,
