@@ -96,18 +96,25 @@ def test_golden_bfloat16_smollm2(stage_name: str):
     assert identical >= 1, "not one prompt identical to the reference: a real bfloat16 bug, not rounding"
 
 
-def test_golden_smollm2_with_compiled_decode():
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_golden_smollm2_with_compiled_decode(backend: str):
     """Stage 5's CPU stand-in for CUDA graphs (torch.compile of the decode forward, bucket 1): SmolLM2's golden
-    prompts one at a time, so that every decode step runs compiled code, give the float32 reference's tokens."""
+    prompts one at a time, so that every decode step runs compiled code, give the float32 reference's tokens: with
+    the torch attention backend (one opaque operator per layer) and with the cpu one (its operators in the graph)."""
     import stage5_cudagraph
+    from stage5_cudagraph.attention import available_backends
+
+    if backend not in available_backends("cpu"):
+        pytest.skip(f"the {backend} attention backend is not available here")
 
     golden = load_golden("smollm2-135m-instruct")
     llm = stage5_cudagraph.LLM(str(resolve_model("smollm2-135m-instruct")), dtype="float32", verbose=False,
-                               enable_torch_compile=True, torch_compile_max_bs=1, max_running_requests=1)
+                               enable_torch_compile=True, torch_compile_max_bs=1, max_running_requests=1,
+                               attention_backend=backend)
     params = stage5_cudagraph.SamplingParams(max_new_tokens=golden["max_new_tokens"], temperature=0.0)
     results = [llm.generate([case["prompt"]], params)[0] for case in golden["cases"]]
     problems = failures(results, golden)
-    assert not problems, "compiled decode on smollm2:\n" + "\n".join(problems)
+    assert not problems, f"compiled decode on smollm2, {backend} attention:\n" + "\n".join(problems)
     decode_steps = sum(len(r.token_ids) - 1 for r in results)
     assert llm.engine.num_graph_replays == decode_steps and llm.engine.num_eager_forwards == len(results)
 

@@ -441,6 +441,41 @@ def test_compiled_decode_pads_and_falls_back_to_eager(compiled_llm, path):
     compiled_llm.scheduler.check_integrity()
 
 
+@pytest.fixture(scope="module")
+def compiled_cpu_llm(path):
+    """Stage 4's cpu attention backend under the compiled decode, buckets 1 and 2."""
+    from stage5_cudagraph.attention import available_backends
+
+    if "cpu" not in available_backends("cpu"):
+        pytest.skip("the cpu attention backend did not build here (no C++ compiler?)")
+    return LLM(path, attention_backend="cpu", enable_torch_compile=True, torch_compile_max_bs=2,
+               max_running_requests=4, verbose=False)
+
+
+def test_compiled_decode_takes_the_cpu_backends_attention_into_the_graph(compiled_cpu_llm, path):
+    """The cpu backend reads its layout from tensors, so each bucket's graph runs its KV store and decode kernel
+    itself (no step_attention operator), storing in place: three requests (eager, then buckets 2 and 1), and a lone
+    request padded into bucket 2 (its padding row writing the dummy slot), give the eager cpu backend's tokens."""
+    engine = compiled_cpu_llm.engine
+    runner = engine.graph_runner
+    assert runner.buckets == [1, 2]
+    assert all(fb.attn_backend is engine.attn_backend for fb in runner.static_batches.values())
+    prompts, params = mixed(3, seed=5, max_out=12)
+    eager = LLM(path, attention_backend="cpu", max_running_requests=4, verbose=False)
+    want = [r.token_ids for r in eager.generate(prompts, params)]
+    replays = engine.num_graph_replays
+    assert [r.token_ids for r in compiled_cpu_llm.generate(prompts, params)] == want
+    assert engine.num_graph_replays > replays
+    runner.buckets = [2]  # a batch of one now runs in bucket 2, with one padding row
+    try:
+        replays = engine.num_graph_replays
+        alone = compiled_cpu_llm.generate(prompts[2:], params[2:])[0].token_ids
+    finally:
+        runner.buckets = [1, 2]
+    assert alone == want[2] and engine.num_graph_replays - replays == len(want[2]) - 1
+    compiled_cpu_llm.scheduler.check_integrity()
+
+
 def test_torch_compile_max_bs_must_be_positive(path):
     with pytest.raises(ValueError, match="torch_compile_max_bs must be >= 1"):
         LLM(path, enable_torch_compile=True, torch_compile_max_bs=0, verbose=False)
