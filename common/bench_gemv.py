@@ -5,8 +5,10 @@
 Every matrix product a decode step of the model makes (per layer: qkv, o, gate_up, down; then the LM head), each
 with its own random weights of the model's shapes (so nothing stays in cache between steps), once through
 `stage9_moe_cpu::gemv` (the weight's plain rows) and once through oneDNN (the weight packed as stage 5 packs it),
-alternating, best of --repeats; both dtypes. Prints ms per step, the bandwidth that is (weight bytes / time), the
-ratio, and the copy bandwidth measured first.
+alternating, best of --repeats; both dtypes. Beside them, a plain read of the same matrices, one call each
+(`torch.sum`, torch's own vectorized reduction: the same bytes, no product). Prints ms per step, the bandwidth that
+is (weight bytes / time), the ratios, and the copy bandwidth measured first (bytes read + written: on a machine
+whose memory reads and writes at once, more than a read alone reaches).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def main(args) -> None:
             "gemv": lambda: [cpu.gemv(xs[w.shape[1]], w, None) for w in plain],
             "oneDNN": lambda: [torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
                                for (_, k), w in zip(shapes, packed)],
+            "read": lambda: [w.sum() for w in plain],
         }
         best = dict.fromkeys(runs, float("inf"))
         for _ in range(args.repeats):
@@ -62,7 +65,8 @@ def main(args) -> None:
         for name, seconds in best.items():
             print(f"   {str(dtype).removeprefix('torch.'):9s} {name:7s} {seconds * 1e3:7.2f} ms/step "
                   f"{nbytes / seconds / 1e9:6.1f} GB/s of weights")
-        print(f"   {str(dtype).removeprefix('torch.'):9s} gemv / oneDNN time {best['gemv'] / best['oneDNN']:.2f}x")
+        print(f"   {str(dtype).removeprefix('torch.'):9s} gemv / oneDNN time {best['gemv'] / best['oneDNN']:.2f}x, "
+              f"gemv / read time {best['gemv'] / best['read']:.2f}x")
 
 
 def add_parser(sub) -> None:
