@@ -171,7 +171,7 @@ def bench_peers(args) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from common.bench_utils import copy_bandwidth, header, mixed_workload
+    from common.bench_utils import copy_bandwidth, header, mixed_workload, read_bandwidth
     from common.models import resolve_model
 
     folder = resolve_model(args.model)
@@ -186,6 +186,8 @@ def bench_peers(args) -> None:
            f"128-token prompt; best of {args.repeats}")
     bandwidth = copy_bandwidth("cpu", gib=0.5, repeats=10)
     print(f"   copy bandwidth (a 512 MiB tensor copy, bytes read + written): {bandwidth / 1e9:.1f} GB/s", flush=True)
+    read = read_bandwidth("cpu", gib=0.5, repeats=10)
+    print(f"   read bandwidth (torch.sum of a 512 MiB tensor): {read / 1e9:.1f} GB/s", flush=True)
     rows: list[dict] = []
     for dtype in args.dtypes:
         for stage_name in args.stages:
@@ -212,19 +214,22 @@ def bench_peers(args) -> None:
             r = run_peer(peer, request)
             rows.append({"system": peer, "dtype": dtype, "weight_bytes": rows[-1]["weight_bytes"], **r})
             print(f"   {peer} {dtype}: done (start-up {r['startup_s']:.0f} s, not timed)", flush=True)
-    print_peer_table(rows, work.output_tokens, args.batch1_tokens, bandwidth)
+    print_peer_table(rows, work.output_tokens, args.batch1_tokens, bandwidth, read)
 
 
-def print_peer_table(rows: list[dict], output_tokens: int, batch1_tokens: int, bandwidth: float) -> None:
+def print_peer_table(rows: list[dict], output_tokens: int, batch1_tokens: int, bandwidth: float,
+                     read_bandwidth: float | None = None) -> None:
     ours = {r["dtype"]: r for r in rows if r["system"].startswith("stage")}  # the last stage listed, per dtype
     vllm = {r["dtype"]: r for r in rows if r["system"] == "vllm"}
     print(f"   {'system':30s} {'dtype':9s} {'offline tok/s':>13s} {'vs vLLM':>8s} {'batch-1 tok/s':>13s} "
-          f"{'vs vLLM':>8s} {'bandwidth limit':>15s} {'of limit':>8s}  same tokens as ours (offline, batch-1)")
+          f"{'vs vLLM':>8s} {'bandwidth limit':>15s} {'of limit':>8s} {'of read limit':>13s}  "
+          "same tokens as ours (offline, batch-1)")
     for r in rows:
         off = r.get("offline")
         tps = output_tokens / min(off["seconds"]) if off else None
         b1 = batch1_tokens / min(r["batch1"]["decode_s"])
         limit = bandwidth / r["weight_bytes"]
+        of_read = f"{b1 * r['weight_bytes'] / read_bandwidth:12.2f}x" if read_bandwidth else f"{'-':>13s}"
         peer = vllm.get(r["dtype"])
         peer_tps = output_tokens / min(peer["offline"]["seconds"]) if peer else None
         peer_b1 = batch1_tokens / min(peer["batch1"]["decode_s"]) if peer else None
@@ -235,8 +240,9 @@ def print_peer_table(rows: list[dict], output_tokens: int, batch1_tokens: int, b
         cell = lambda x, width: f"{x:{width}.1f}" if x is not None else f"{'-':>{width}s}"  # noqa: E731
         ratio = lambda a, b: f"{a / b:7.2f}x" if a and b else f"{'-':>8s}"  # noqa: E731
         print(f"   {r['system']:30s} {r['dtype']:9s} {cell(tps, 13)} {ratio(tps, peer_tps)} {b1:13.1f} "
-              f"{ratio(b1, peer_b1)} {limit:15.1f} {b1 / limit:7.2f}x  "
+              f"{ratio(b1, peer_b1)} {limit:15.1f} {b1 / limit:7.2f}x {of_read}  "
               f"{same_off}, {'identical' if same_b1 else 'differ'}")
     print(f"   bandwidth limit: tokens/s if a decode step only read the weights once at the copy bandwidth "
-          f"({bandwidth / 1e9:.1f} GB/s / weight bytes per token); tokens compared with the course's last stage "
-          "listed, in the same dtype")
+          f"({bandwidth / 1e9:.1f} GB/s / weight bytes per token); of read limit: the same at the read bandwidth"
+          f"{f' ({read_bandwidth / 1e9:.1f} GB/s)' if read_bandwidth else ''}; tokens compared with the course's "
+          "last stage listed, in the same dtype")

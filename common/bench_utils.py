@@ -156,3 +156,17 @@ def copy_bandwidth(device: str, gib: float = 2.0, repeats: int = 20) -> float:
         dst.copy_(src)
     sync(device)
     return 2 * src.numel() * repeats / (time.perf_counter() - start)
+
+
+def read_bandwidth(device: str, gib: float = 2.0, repeats: int = 20) -> float:
+    """Bytes/s of a plain read: torch's own sum over a float32 tensor (each byte read once, one number written). A
+    decode step that only read its weights could go no faster; the copy's figure, which counts the bytes written
+    too, can be higher on a machine whose memory reads and writes at the same time."""
+    src = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32, device=device)
+    src.sum()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        src.sum()
+    sync(device)
+    return 4 * src.numel() * repeats / (time.perf_counter() - start)

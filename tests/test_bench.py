@@ -65,7 +65,8 @@ def test_peer_runner_times_generate_calls_and_leaves_prefill_out_of_batch1(tmp_p
 
 def test_peer_table_ratios_and_bandwidth_limit(capsys):
     """The comparison table: tokens/s from the best run, ratios against vLLM in the same dtype, the bandwidth limit
-    (copy bandwidth / weight bytes per token) and token agreement with the course's last stage listed."""
+    (copy bandwidth / weight bytes per token), the share of the read bandwidth's, and token agreement with the
+    course's last stage listed."""
     from common.bench_peers import print_peer_table
 
     def row(system, dtype, off_s, b1_s, ids):
@@ -75,11 +76,11 @@ def test_peer_table_ratios_and_bandwidth_limit(capsys):
 
     rows = [row("stage5_cudagraph", "float32", 10.0, 4.0, [[1], [2]]), row("vllm", "float32", 20.0, 8.0, [[1], [3]]),
             row("llama.cpp", "float32", None, 2.0, None)]
-    print_peer_table(rows, output_tokens=1000, batch1_tokens=100, bandwidth=40e9)
+    print_peer_table(rows, output_tokens=1000, batch1_tokens=100, bandwidth=40e9, read_bandwidth=25e9)
     lines = capsys.readouterr().out.splitlines()
     ours = next(line for line in lines if "stage5_cudagraph" in line).split()
     assert ours[2:5] == ["100.0", "2.00x", "25.0"]  # 1000 tokens / 10 s; vs vLLM's 50; batch 1: 100 / 4 s
-    assert ours[6:8] == ["40.0", "0.62x"]  # 40 GB/s / 1 GB per token; 25 of 40
+    assert ours[6:9] == ["40.0", "0.62x", "1.00x"]  # 40 GB/s / 1 GB per token; 25 of 40; 25 of 25 (read)
     vllm = next(line for line in lines if line.split()[0] == "vllm").split()
     assert vllm[-2:] == ["1/2,", "identical"]
     llama = next(line for line in lines if "llama.cpp" in line).split()
