@@ -43,19 +43,18 @@ class PagedKVPool:
               out_cache_loc: torch.Tensor) -> None:
         """Write this pass's K/V ([N, KVH, D]) at their token slots (page * page_size + offset),
         [N]."""
-        if torch.compiler.is_compiling():  # inside graph.py's compiled decode
-            store_kv(self.k[layer_id], self.v[layer_id], k, v, out_cache_loc)
-            return
-        self.k[layer_id].view(-1, *k.shape[1:])[out_cache_loc] = k
-        self.v[layer_id].view(-1, *v.shape[1:])[out_cache_loc] = v
+        # inside graph.py's compiled decode, the same store as an operator (below)
+        store = store_kv if torch.compiler.is_compiling() else _store_kv
+        store(self.k[layer_id], self.v[layer_id], k, v, out_cache_loc)
 
 
 # The store as an operator that declares it writes k_cache and v_cache in place (`Tensor(a!)`), for
-# torch.compile. Traced as the index assignment above, into a view of a pool the graph takes as an
-# input, it is made functional: the generated code copied the layer's whole pool into a new buffer
-# (18 MB each for K and V, SmolLM2 here), wrote the new K/V there, and let attention read the copy,
-# every layer of every step.
+# torch.compile. Traced as its plain index assignment (`_store_kv`), into a view of a pool the
+# graph takes as an input, it is made functional: the generated code copied the layer's whole pool
+# into a new buffer (18 MB each for K and V, SmolLM2 here), wrote the new K/V there, and let
+# attention read the copy, every layer of every step.
 def _store_kv(k_cache, v_cache, k, v, out_cache_loc):
+    """k_cache, v_cache [num_pages, page_size, KVH, D] of one layer; k, v [N, KVH, D]."""
     k_cache.view(-1, *k.shape[1:])[out_cache_loc] = k
     v_cache.view(-1, *v.shape[1:])[out_cache_loc] = v
 
