@@ -19,7 +19,9 @@
 // are written the same way). On AVX-512 with head_dim 64 or 128, attend_avx512 does the same pass
 // in fewer instructions and with the memory ahead of it: a block's 16 scores summed as one vector,
 // the outputs of several rows kept in registers while each value row is added into all of them,
-// the next block's rows prefetched head by head (stage 4's README, "CPU kernels, and bfloat16").
+// the next block's rows prefetched head by head, and with AVX512-BF16 a bfloat16 cache's scores
+// taken from its bfloat16 rows by the dot-product instruction (stage 4's README, "CPU kernels, and
+// bfloat16").
 // A cache may be any strided view whose head_dim is dense (one layer of the pool is a view into
 // all layers).
 
@@ -215,14 +217,62 @@ static inline __m512 sum_lanes(__m512 v[16]) {
   return v[0];
 }
 
-// A block's K (V) rows of one head as float32: a float32 cache is read where it lies, bfloat16
-// rows are widened once into buf for every row of the item that reads them.
+// A bfloat16 cache on a CPU with AVX512-BF16 is read as it lies: a score is taken from the
+// bfloat16 q and key rows with vdpbf16ps (the products of 32 bfloat16 pairs, exact in float32,
+// added into 16 float32 lanes), and a value row is widened to float32 as it is added. Without
+// AVX512-BF16, bfloat16 rows are widened to float32 once per block (block_rows) and everything is
+// float32 FMAs, as for a float32 cache. S: the type the pass reads q, key and value rows as.
+#if defined(__AVX512BF16__)
+template <typename T>
+constexpr bool DOT_BF16 = std::is_same_v<T, c10::BFloat16>;
+#else
+template <typename T>
+constexpr bool DOT_BF16 = false;
+#endif
+template <typename T>
+using RowType = std::conditional_t<DOT_BF16<T>, T, float>;
+
+// Inlined whatever the compiler's size heuristics say: called, the pass kept part[] in memory and
+// ran ~15% slower (prefill, float32 and bfloat16).
+#define ALWAYS_INLINE __attribute__((always_inline))
+
+// Row q's dot products with the block's first live_n keys, key j's as 16 lanes still to be summed
+// (sum_lanes); q is float32 and scaled, or (below) bfloat16 and not.
+template <int C>
+ALWAYS_INLINE static inline void partial_scores(const float* q, const float* const* k,
+                                                int live_n, __m512 part[16]) {
+  __m512 qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = _mm512_load_ps(q + c * 16);
+  for (int j = 0; j < 16; ++j) {
+    part[j] = _mm512_setzero_ps();
+    if (j < live_n)
+      for (int c = 0; c < C; ++c) part[j] = _mm512_fmadd_ps(qv[c], load16(k[j] + c * 16), part[j]);
+  }
+}
+#if defined(__AVX512BF16__)
+template <int C>
+ALWAYS_INLINE static inline void partial_scores(const c10::BFloat16* q,
+                                                const c10::BFloat16* const* k, int live_n,
+                                                __m512 part[16]) {
+  __m512bh qv[C / 2];  // 32 bfloat16 a vector
+  for (int c = 0; c < C / 2; ++c) qv[c] = (__m512bh)_mm512_load_si512(q + c * 32);
+  for (int j = 0; j < 16; ++j) {
+    part[j] = _mm512_setzero_ps();
+    if (j < live_n)
+      for (int c = 0; c < C / 2; ++c)
+        part[j] = _mm512_dpbf16_ps(part[j], qv[c], (__m512bh)_mm512_loadu_si512(k[j] + c * 32));
+  }
+}
+#endif
+
+// A block's K (V) rows of one head as the pass reads them (RowType): where they lie, or bfloat16
+// widened once into buf for every row of the item that reads them.
 template <typename T, int D>
 static inline void block_rows(const T* const* krow, const T* const* vrow, int64_t khead,
-                              int64_t vhead, int n, float* kbuf, float* vbuf, const float** kp,
-                              const float** vp) {
+                              int64_t vhead, int n, float* kbuf, float* vbuf,
+                              const RowType<T>** kp, const RowType<T>** vp) {
   for (int j = 0; j < n; ++j) {
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<RowType<T>, T>) {
       kp[j] = krow[j] + khead;
       vp[j] = vrow[j] + vhead;
     } else {
@@ -242,18 +292,23 @@ static void attend_avx512(const Item<T>& it, const Cache& kc, const Cache& vc, i
   static_assert(BLOCK == 16 && D % 16 == 0, "a block's scores are one vector");
   constexpr int C = D / 16;              // vectors per head row
   constexpr int NT = C <= 4 ? 4 : 2;     // rows in registers together: NT * C <= 16 accumulators
+  using S = RowType<T>;
   const int64_t per_kv = it.nq * G, R = (it.kv1 - it.kv0) * per_kv;
-  // Row r (row_of): its query scaled, its output so far, the online softmax's maximum and sum,
-  // its number of keys.
-  alignas(64) float qs[MAX_ROWS * D], acc[MAX_ROWS * D];
+  // Row r (row_of): its query (float32 scaled, or bfloat16 as it is: its scores are scaled), its
+  // output so far, the online softmax's maximum and sum, its number of keys.
+  alignas(64) S qs[MAX_ROWS * D];
+  alignas(64) float acc[MAX_ROWS * D];
   float m[MAX_ROWS], l[MAX_ROWS];
   int64_t len[MAX_ROWS];
   for (int64_t r = 0; r < R; ++r) {
     const Row row = row_of(it, r, G);
-    for (int c = 0; c < C; ++c)
-      _mm512_store_ps(qs + r * D + c * 16,
-                      _mm512_mul_ps(load16(it.q + row.qi * H * D + row.h * D + c * 16),
-                                    _mm512_set1_ps(scale)));
+    const T* q = it.q + row.qi * H * D + row.h * D;
+    if constexpr (DOT_BF16<T>)
+      std::copy(q, q + D, qs + r * D);
+    else
+      for (int c = 0; c < C; ++c)
+        _mm512_store_ps(qs + r * D + c * 16,
+                        _mm512_mul_ps(load16(q + c * 16), _mm512_set1_ps(scale)));
     len[r] = it.len0 + row.qi;
   }
   std::fill(acc, acc + R * D, 0.f);
@@ -262,7 +317,7 @@ static void attend_avx512(const Item<T>& it, const Cache& kc, const Cache& vc, i
   const int64_t max_len = it.len0 + it.nq - 1;
   const T *krow[BLOCK], *vrow[BLOCK];
   alignas(64) float kbuf[BLOCK * D], vbuf[BLOCK * D];
-  const float *kp[BLOCK], *vp[BLOCK];
+  const S *kp[BLOCK], *vp[BLOCK];
   for (int64_t first = 0; first < max_len; first += BLOCK) {
     const int n = int(std::min(BLOCK, max_len - first));
     for (int j = 0; j < n; ++j) {
@@ -297,16 +352,12 @@ static void attend_avx512(const Item<T>& it, const Cache& kc, const Cache& vc, i
             correction[t] = 1.f;
             continue;
           }
-          __m512 qv[C], part[16];
-          for (int c = 0; c < C; ++c) qv[c] = _mm512_load_ps(qs + r * D + c * 16);
-          for (int j = 0; j < 16; ++j) {  // q . k of each key, as 16 lanes to be summed
-            part[j] = _mm512_setzero_ps();
-            if (j < live_n)
-              for (int c = 0; c < C; ++c)
-                part[j] = _mm512_fmadd_ps(qv[c], load16(kp[j] + c * 16), part[j]);
-          }
+          __m512 part[16];
+          partial_scores<C>(qs + r * D, kp, live_n, part);
+          __m512 summed = sum_lanes(part);
+          if constexpr (DOT_BF16<T>) summed = _mm512_mul_ps(summed, _mm512_set1_ps(scale));
           const __mmask16 live = __mmask16((1u << live_n) - 1);
-          const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, sum_lanes(part));
+          const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, summed);
           const float block_max = std::max(m[r], _mm512_reduce_max_ps(s));
           correction[t] = std::exp(m[r] - block_max);  // exp(-inf) = 0 at the first block
           const __m512 pv = _mm512_maskz_mov_ps(
