@@ -264,8 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     overlap.add_argument("--max-new-tokens", type=int, default=64)
     overlap.add_argument("--repeats", type=int, default=3)
     # later stages' benchmarks live in their own modules
-    from common import (bench_gemv, bench_grammar, bench_moe, bench_profile, bench_progression,
-                        bench_prompt_logprobs, bench_radix, bench_serving, bench_tp)
+    from common import (bench_cpu_attention, bench_gemv, bench_grammar, bench_moe, bench_profile,
+                        bench_progression, bench_prompt_logprobs, bench_radix, bench_serving, bench_tp)
 
     bench_radix.add_parser(sub)
     bench_tp.add_parser(sub)
@@ -274,6 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     bench_grammar.add_parser(sub)
     bench_moe.add_parser(sub)
     bench_gemv.add_parser(sub)
+    bench_cpu_attention.add_parser(sub)
     bench_progression.add_parser(sub)
     bench_profile.add_parser(sub)
     for command, func in ((batch, bench_batch), (load, bench_load), (offline, bench_offline), (overlap, bench_overlap)):

@@ -104,3 +104,23 @@ def test_profile_splits_a_step_on_a_tiny_model(capsys):
     assert float(re.search(r"matmul\s+[\d.]+ ms/step\s+([\d.]+)%", out).group(1)) > 0
     # the sampler is found where the scheduler calls it, so its time is measured, not silently zero
     assert float(re.search(r"\n\s+sample\s+([\d.]+) ms/step", out).group(1)) > 0, out
+
+
+def test_cpu_attention_bench_times_both_kernels_in_both_dtypes(capsys):
+    """`common.bench cpu-attention` on a small case: a decode and a prefill time, and the decode's K/V bandwidth, for
+    float32 and bfloat16, each printed as a positive number."""
+    import re
+
+    import pytest
+
+    from common.bench import main
+
+    if "cpu" not in __import__("stage4_scheduler.attention", fromlist=["x"]).available_backends("cpu"):
+        pytest.skip("the cpu attention backend did not build here (no C++ compiler?)")
+    main(["cpu-attention", "--batch", "3", "--layers", "2", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "3 requests" in out and "2-layer pool" in out, out
+    for dtype in ("float32", "bfloat16"):
+        line = re.search(rf"{dtype}\s+decode\s+([\d.]+) us/call \(\s*([\d.]+) GB/s of K/V\)\s+prefill\s+([\d.]+) us/call",
+                         out)
+        assert line and all(float(x) > 0 for x in line.groups()), out
