@@ -53,13 +53,16 @@ def run_batch(scheduler: Scheduler, batch: Batch, start: float) -> None:
     engine = scheduler.engine
     # [S]
     rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.long, device=engine.device)
-    sel = torch.tensor(sample_rows, dtype=torch.long, device=engine.device)  # [S]
+    # [S] rows of the logits that sample; None when all do (a decode step): no copy of the logits
+    sel = (None if len(sample_rows) == len(batch.reqs)
+           else torch.tensor(sample_rows, dtype=torch.long, device=engine.device))
 
     def device_step() -> torch.Tensor:  # runs on the device worker
         logits = engine.run(fb)  # [B, vocab]
         if not reqs:
             return torch.empty(0, dtype=torch.long, device=engine.device)
-        tokens = sample_tensor(logits[sel], reqs, gens)  # [S], on the device
+        logits = logits[: len(reqs)] if sel is None else logits[sel]  # [S, vocab]
+        tokens = sample_tensor(logits, reqs, gens)  # [S], on the device
         engine.future_tokens[rows] = tokens  # the next step's placeholders read them here
         return tokens
 

@@ -57,7 +57,9 @@ def run_batch(scheduler: Scheduler, batch: Batch, start: float) -> None:
     engine = scheduler.engine
     # [S]
     rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.long, device=engine.device)
-    sel = torch.tensor(sample_rows, dtype=torch.long, device=engine.device)  # [S]
+    # [S] rows of the logits that sample; None when all do (a decode step): no copy of the logits
+    sel = (None if len(sample_rows) == len(batch.reqs)
+           else torch.tensor(sample_rows, dtype=torch.long, device=engine.device))
     # stage 8: who asked for logprobs
     want = [j for j, r in enumerate(reqs) if r.return_logprob]
     top_k = max((reqs[j].top_logprobs_num for j in want), default=0)
@@ -72,7 +74,7 @@ def run_batch(scheduler: Scheduler, batch: Batch, start: float) -> None:
             logprobs["prompt"] = score_prompt(logits[batch.size :], prompt_scored)
         if not reqs:
             return torch.empty(0, dtype=torch.long, device=engine.device)
-        logits = logits[sel]  # [S, vocab]
+        logits = logits[: len(reqs)] if sel is None else logits[sel]  # [S, vocab]
         # Structured outputs: a grammar's forbidden tokens -> -inf, on a copy (logprobs stay the
         # model's).
         scores = logits if mask is None else apply_grammar_mask(logits.clone(), *mask)
