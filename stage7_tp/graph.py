@@ -209,7 +209,10 @@ class CompiledRunner(GraphRunner):
     step at batch 1. It is safe here for the reason a CUDA graph replay is: the inputs are the same
     static buffers, model and shapes every time. For the same reason the generated code does not
     check each input's sizes and strides on every call (`size_asserts`: ~220 checks a step at
-    batch 1, ~0.2 ms)."""
+    batch 1, ~0.2 ms). And it calls its kernels and operators from C++ (`cpp_wrapper`), not
+    from the Python module inductor writes by default, one Python call each (~300 a step):
+    compiling takes longer (the wrapper is C++ too: ~40 s a bucket for SmolLM2, once: inductor
+    keeps it in its on-disk cache), a step less (README, "On a CPU")."""
 
     def capture(self) -> None:
         import torch._dynamo
@@ -225,7 +228,7 @@ class CompiledRunner(GraphRunner):
             return forward(model, input_ids, positions, fb)  # [bs, vocab]
 
         self.compiled = torch.compile(decode_forward, dynamic=False, fullgraph=True,
-                                      options={"size_asserts": False})
+                                      options={"size_asserts": False, "cpp_wrapper": True})
         self.static_batches = {bs: self.forward_batch(bs) for bs in self.buckets}
         if self.engine.attn_backend.name not in IN_GRAPH_BACKENDS:
             for fb in self.static_batches.values():
