@@ -19,6 +19,7 @@ import importlib
 def bench_chunked(args) -> None:
     from transformers import AutoTokenizer
 
+    from common.bench_peers import course_options
     from common.bench_utils import Workload, header, mixed_workload, run_stage, warm_up
     from common.models import resolve_model
 
@@ -27,11 +28,7 @@ def bench_chunked(args) -> None:
     work = mixed_workload(tok, args.num_requests, args.max_new_tokens, seed=1, vary_output=True)
     prefill_only = Workload(work.prompts, [1] * len(work.prompts))
     stage = importlib.import_module(args.stage)
-    options = {"attention_backend": args.attention_backend, "max_running_requests": args.num_requests}
-    if args.stage >= "stage5" and not args.no_compile:
-        options["enable_torch_compile"] = True
-    if args.stage >= "stage6":
-        options["disable_radix_cache"] = True
+    options = course_options(args.stage, args.attention_backend, args.num_requests, not args.no_compile)
     header(f"{args.stage} chunked_prefill_size: {args.num_requests} requests, {sum(map(len, work.prompts))} prompt "
            f"tokens, {work.output_tokens} output tokens; best of {args.repeats}, sizes alternating")
     for dtype in args.dtypes:

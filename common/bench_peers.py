@@ -141,6 +141,16 @@ def weight_bytes_per_token(engine) -> int:
     return report.param_bytes - embed
 
 
+def course_options(stage_name: str, attention_backend: str, num_requests: int, compile: bool) -> dict:
+    """The engine options a course stage runs the peer comparison with (`common.bench chunked-prefill` too)."""
+    options = {"attention_backend": attention_backend, "max_running_requests": num_requests}
+    if stage_name >= "stage5" and compile:  # stage 5's CPU stand-in for CUDA graphs
+        options["enable_torch_compile"] = True
+    if stage_name >= "stage6":  # vLLM runs with prefix caching off: repeated runs would hit the cache
+        options["disable_radix_cache"] = True
+    return options
+
+
 def run_course(stage_name: str, path: str, dtype: str, work, batch1, repeats: int, options: dict) -> dict:
     """One of the course's engines through the same calls as a peer: warm-up, the offline workload, batch-1."""
     import importlib
@@ -191,11 +201,7 @@ def bench_peers(args) -> None:
     rows: list[dict] = []
     for dtype in args.dtypes:
         for stage_name in args.stages:
-            options = {"attention_backend": args.attention_backend, "max_running_requests": args.num_requests}
-            if stage_name >= "stage5" and not args.no_compile:  # stage 5's CPU stand-in for CUDA graphs
-                options["enable_torch_compile"] = True
-            if stage_name >= "stage6":  # vLLM runs with prefix caching off: repeated runs would hit the cache
-                options["disable_radix_cache"] = True
+            options = course_options(stage_name, args.attention_backend, args.num_requests, not args.no_compile)
             start = time.perf_counter()
             r = run_course(stage_name, path, dtype, work, batch1, args.repeats, options)
             compiled = " +compile" if options.get("enable_torch_compile") else ""

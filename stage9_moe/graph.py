@@ -212,7 +212,7 @@ class CompiledRunner(GraphRunner):
     batch 1, ~0.2 ms). And it calls its kernels and operators from C++ (`cpp_wrapper`), not
     from the Python module inductor writes by default, one Python call each (~300 a step):
     compiling takes longer (the wrapper is C++ too: ~40 s a bucket for SmolLM2, once: inductor
-    keeps it in its on-disk cache), a step less (README, "On a CPU")."""
+    keeps it in its on-disk cache), and a step takes less time (README, "On a CPU")."""
 
     def capture(self) -> None:
         import torch._dynamo
