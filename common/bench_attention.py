@@ -38,6 +38,8 @@ from types import SimpleNamespace
 
 import torch
 
+from common.bench_utils import copy_bandwidth
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (see stage 2's triton_kernels.py)
 
@@ -176,21 +178,6 @@ def time_per_call(fn, layers: int, calls: int, device: str, repeats: int = 5) ->
     torch.cuda.synchronize()
     del graph
     return start.elapsed_time(end) / 1e3 / (repeats * calls)
-
-
-def copy_bandwidth(device: str, gib: float, repeats: int = 10) -> float:
-    """Bytes/s of a device-to-device copy (each byte read once and written once: 2 x size per copy)."""
-    src = torch.empty(int(gib * (1 << 30)), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        dst.copy_(src)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return 2 * src.numel() * repeats / (time.perf_counter() - start)
 
 
 def bench_one(name, batch, context, args, backend, interpret) -> dict:

@@ -7,8 +7,8 @@ with its own random weights of the model's shapes (so nothing stays in cache bet
 `stage9_moe_cpu::gemv` (the weight's plain rows) and once through oneDNN (the weight packed as stage 5 packs it),
 alternating, best of --repeats; both dtypes. Beside them, a plain read of the same matrices, one call each
 (`torch.sum`, torch's own vectorized reduction: the same bytes, no product). Prints ms per step, the bandwidth that
-is (weight bytes / time), the ratios, and the copy bandwidth measured first (bytes read + written: on a machine
-whose memory reads and writes at once, more than a read alone reaches).
+is (weight bytes / time), the ratios, and the copy bandwidth measured first (bytes read + written; on a shared
+virtual machine it moves between minutes, the in-run ratios less so).
 """
 
 from __future__ import annotations

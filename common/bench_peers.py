@@ -18,6 +18,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import select
 import subprocess
 import tarfile
 import tempfile
@@ -30,6 +31,7 @@ PEERS_DIR = CACHE_DIR / "peers"
 GGUF_DIR = CACHE_DIR / "gguf"
 RUNNER = Path(__file__).resolve().parent / "peer_runner.py"
 VLLM_VERSION, LLAMA_CPP_VERSION = "0.32.0", "0.3.36"
+PROBE_GIB, PROBE_REPEATS = 0.5, 5  # the copy beside each batch-1 run: 5 GiB moved, ~0.1 s
 TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
 
@@ -118,17 +120,43 @@ def peer_env(name: str, threads: int) -> dict:
 
 
 def run_peer(name: str, request: dict, timeout: float = 3600) -> dict:
-    """Run one peer on `request` (peer_runner.py's format) in its own process; -> its result."""
+    """Run one peer on `request` (peer_runner.py's format) in its own process; -> its result. While it runs, this
+    process answers its requests for the copy bandwidth (the peer waits meanwhile), so that every system's batch-1
+    runs are measured against the bandwidth of their own moment, by the same code."""
     py = {"vllm": ensure_vllm, "llama.cpp": ensure_llama_cpp}[name]()
     with tempfile.TemporaryDirectory() as tmp:
         req_path, res_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req_path.write_text(json.dumps(request))
-        proc = subprocess.run([str(py), str(RUNNER), name, str(req_path), str(res_path)], cwd=tmp,
-                              env=peer_env(name, request["threads"]), capture_output=True, text=True,
-                              timeout=timeout)
+        to_child_r, to_child_w = os.pipe()
+        to_parent_r, to_parent_w = os.pipe()
+        with open(Path(tmp) / "stderr.txt", "w+") as err:
+            proc = subprocess.Popen([str(py), str(RUNNER), name, str(req_path), str(res_path), str(to_parent_w),
+                                     str(to_child_r)], cwd=tmp, env=peer_env(name, request["threads"]),
+                                    stdout=subprocess.DEVNULL, stderr=err, pass_fds=(to_parent_w, to_child_r))
+            os.close(to_parent_w)
+            os.close(to_child_r)
+            answer_bandwidth_requests(proc, to_parent_r, to_child_w, time.monotonic() + timeout)
+            err.seek(0)
+            stderr = err.read()
         if proc.returncode != 0 or not res_path.exists():
-            raise RuntimeError(f"peer {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            raise RuntimeError(f"peer {name} failed (exit {proc.returncode}):\n{stderr[-3000:]}")
         return json.loads(res_path.read_text())
+
+
+def answer_bandwidth_requests(proc: subprocess.Popen, from_child: int, to_child: int, deadline: float) -> None:
+    """Until the peer exits (or the deadline kills it): each line it sends gets the copy bandwidth measured now.
+    Polled, not read to the end: a peer's own worker processes may hold the pipe open after it exits."""
+    from common.bench_utils import copy_bandwidth
+
+    with os.fdopen(from_child) as reader, os.fdopen(to_child, "w") as writer:
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                break
+            if select.select([reader], [], [], 0.5)[0] and reader.readline():
+                writer.write(f"{copy_bandwidth('cpu', gib=PROBE_GIB, repeats=PROBE_REPEATS)}\n")
+                writer.flush()
 
 
 # ---------------------------------------------------------------- the comparison: `common.bench offline --peers ...`
@@ -155,7 +183,8 @@ def run_course(stage_name: str, path: str, dtype: str, work, batch1, repeats: in
     """One of the course's engines through the same calls as a peer: warm-up, the offline workload, batch-1."""
     import importlib
 
-    from common.bench_utils import Workload, run_stage, warm_up
+    from common.bench_utils import Workload, copy_bandwidth, run_stage, warm_up
+    from common.peer_runner import timed_with_bandwidth
 
     stage = importlib.import_module(stage_name)
     llm = stage.LLM(path, dtype=dtype, verbose=False, **options)
@@ -165,10 +194,12 @@ def run_course(stage_name: str, path: str, dtype: str, work, batch1, repeats: in
         one = Workload([batch1["prompt"]], [1])
         many = Workload([batch1["prompt"]], [1 + batch1["new_tokens"]])
         prefill = min(run_stage(stage_name, llm, one)[0] for _ in range(repeats))
-        decode = [run_stage(stage_name, llm, many) for _ in range(repeats)]
+        measure = lambda: copy_bandwidth("cpu", gib=PROBE_GIB, repeats=PROBE_REPEATS)  # noqa: E731
+        decode = [timed_with_bandwidth(lambda: run_stage(stage_name, llm, many), measure)[1:]
+                  for _ in range(repeats)]  # [((seconds, token ids), copy bandwidth)]
         return {"offline": {"seconds": [t for t, _ in runs], "token_ids": runs[-1][1]},
-                "batch1": {"prefill_s": prefill, "decode_s": [t - prefill for t, _ in decode],
-                           "token_ids": decode[-1][1][0]},
+                "batch1": {"prefill_s": prefill, "decode_s": [t - prefill for (t, _), _ in decode],
+                           "copy_bandwidth": [bw for _, bw in decode], "token_ids": decode[-1][0][1][0]},
                 "weight_bytes": weight_bytes_per_token(llm.engine)}
     finally:
         if hasattr(llm, "close"):
@@ -181,7 +212,7 @@ def bench_peers(args) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from common.bench_utils import copy_bandwidth, header, mixed_workload, read_bandwidth
+    from common.bench_utils import header, mixed_workload
     from common.models import resolve_model
 
     folder = resolve_model(args.model)
@@ -194,10 +225,6 @@ def bench_peers(args) -> None:
     header(f"vs the CPU peers: {args.model}, {args.num_requests} requests, {sum(map(len, work.prompts))} prompt "
            f"tokens, {work.output_tokens} output tokens; batch-1 decode of {args.batch1_tokens} tokens after a "
            f"128-token prompt; best of {args.repeats}")
-    bandwidth = copy_bandwidth("cpu", gib=0.5, repeats=10)
-    print(f"   copy bandwidth (a 512 MiB tensor copy, bytes read + written): {bandwidth / 1e9:.1f} GB/s", flush=True)
-    read = read_bandwidth("cpu", gib=0.5, repeats=10)
-    print(f"   read bandwidth (torch.sum of a 512 MiB tensor): {read / 1e9:.1f} GB/s", flush=True)
     rows: list[dict] = []
     for dtype in args.dtypes:
         for stage_name in args.stages:
@@ -220,22 +247,25 @@ def bench_peers(args) -> None:
             r = run_peer(peer, request)
             rows.append({"system": peer, "dtype": dtype, "weight_bytes": rows[-1]["weight_bytes"], **r})
             print(f"   {peer} {dtype}: done (start-up {r['startup_s']:.0f} s, not timed)", flush=True)
-    print_peer_table(rows, work.output_tokens, args.batch1_tokens, bandwidth, read)
+    print_peer_table(rows, work.output_tokens, args.batch1_tokens)
 
 
-def print_peer_table(rows: list[dict], output_tokens: int, batch1_tokens: int, bandwidth: float,
-                     read_bandwidth: float | None = None) -> None:
+def print_peer_table(rows: list[dict], output_tokens: int, batch1_tokens: int) -> None:
+    """Tokens/s from each system's best run, ratios to vLLM in the same dtype, and beside batch 1 the copy bandwidth
+    measured around that run and the limit it sets: tokens/s if a step only read its weights once at that rate."""
     ours = {r["dtype"]: r for r in rows if r["system"].startswith("stage")}  # the last stage listed, per dtype
     vllm = {r["dtype"]: r for r in rows if r["system"] == "vllm"}
     print(f"   {'system':30s} {'dtype':9s} {'offline tok/s':>13s} {'vs vLLM':>8s} {'batch-1 tok/s':>13s} "
-          f"{'vs vLLM':>8s} {'bandwidth limit':>15s} {'of limit':>8s} {'of read limit':>13s}  "
+          f"{'vs vLLM':>8s} {'copy GB/s':>9s} {'limit tok/s':>11s} {'of limit':>8s}  "
           "same tokens as ours (offline, batch-1)")
     for r in rows:
         off = r.get("offline")
         tps = output_tokens / min(off["seconds"]) if off else None
-        b1 = batch1_tokens / min(r["batch1"]["decode_s"])
-        limit = bandwidth / r["weight_bytes"]
-        of_read = f"{b1 * r['weight_bytes'] / read_bandwidth:12.2f}x" if read_bandwidth else f"{'-':>13s}"
+        decode_s = r["batch1"]["decode_s"]
+        best = decode_s.index(min(decode_s))
+        b1 = batch1_tokens / decode_s[best]
+        bandwidth = (r["batch1"].get("copy_bandwidth") or [None] * len(decode_s))[best]
+        limit = bandwidth / r["weight_bytes"] if bandwidth else None
         peer = vllm.get(r["dtype"])
         peer_tps = output_tokens / min(peer["offline"]["seconds"]) if peer else None
         peer_b1 = batch1_tokens / min(peer["batch1"]["decode_s"]) if peer else None
@@ -246,9 +276,8 @@ def print_peer_table(rows: list[dict], output_tokens: int, batch1_tokens: int, b
         cell = lambda x, width: f"{x:{width}.1f}" if x is not None else f"{'-':>{width}s}"  # noqa: E731
         ratio = lambda a, b: f"{a / b:7.2f}x" if a and b else f"{'-':>8s}"  # noqa: E731
         print(f"   {r['system']:30s} {r['dtype']:9s} {cell(tps, 13)} {ratio(tps, peer_tps)} {b1:13.1f} "
-              f"{ratio(b1, peer_b1)} {limit:15.1f} {b1 / limit:7.2f}x {of_read}  "
+              f"{ratio(b1, peer_b1)} {cell(bandwidth and bandwidth / 1e9, 9)} {cell(limit, 11)} {ratio(b1, limit)}  "
               f"{same_off}, {'identical' if same_b1 else 'differ'}")
-    print(f"   bandwidth limit: tokens/s if a decode step only read the weights once at the copy bandwidth "
-          f"({bandwidth / 1e9:.1f} GB/s / weight bytes per token); of read limit: the same at the read bandwidth"
-          f"{f' ({read_bandwidth / 1e9:.1f} GB/s)' if read_bandwidth else ''}; tokens compared with the course's "
-          "last stage listed, in the same dtype")
+    print("   copy GB/s: a 512 MiB tensor copy (bytes read + written), measured right before and right after that "
+          "system's best batch-1 run (the mean); limit tok/s: that bandwidth / the weight bytes a decode step reads; "
+          "tokens compared with the course's last stage listed, in the same dtype")

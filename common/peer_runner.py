@@ -2,21 +2,24 @@
 python of the peer's own environment (vLLM and llama-cpp-python pin their own builds), so it imports nothing from
 the course, only the standard library and that peer:
 
-    PEER_PYTHON common/peer_runner.py vllm|llama.cpp REQUEST.json RESULT.json
+    PEER_PYTHON common/peer_runner.py vllm|llama.cpp REQUEST.json RESULT.json [TO_PARENT_FD FROM_PARENT_FD]
 
 REQUEST: {"model": HF folder, "gguf": GGUF file (llama.cpp), "dtype": "float32"|"bfloat16", "threads": int,
           "offline": {"prompts": [[ids]], "max_new_tokens": [int]} or null,
           "batch1": {"prompt": [ids], "new_tokens": int} or null, "warmup": {"prompts": ..., "max_new_tokens": ...},
           "repeats": int}
 RESULT:  {"startup_s", "offline": {"seconds": [..], "token_ids": [[..]]}, "batch1": {"prefill_s", "decode_s": [..],
-          "token_ids": [..]}}
+          "copy_bandwidth": [..], "token_ids": [..]}}
 Timing, as for the course's engines: only the generate calls, after a warm-up; batch-1 decode is
-(time to generate 1 + n tokens - time to generate 1 token) / n, which leaves the prompt's prefill out.
+(time to generate 1 + n tokens - time to generate 1 token) / n, which leaves the prompt's prefill out. With the two
+file descriptors of a pipe to and from the parent, each batch-1 run also gets the machine's copy bandwidth beside
+it: the parent measures it right before and right after the run (the mean is kept), while this process waits.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -72,8 +75,28 @@ class LlamaCppPeer:
 PEERS = {"vllm": VLLMPeer, "llama.cpp": LlamaCppPeer}
 
 
+def ask_bandwidth(channel) -> float | None:
+    """Bytes/s of a copy measured now by the parent, this process idle; None without a parent to ask."""
+    if channel is None:
+        return None
+    to_parent, from_parent = channel
+    to_parent.write("bandwidth\n")
+    to_parent.flush()
+    return float(from_parent.readline())
+
+
+def timed_with_bandwidth(fn, measure_bandwidth):
+    """(seconds, output, the mean of the copy bandwidths measured right before and right after the call): on a
+    shared virtual machine the memory bandwidth moves by 2x within a minute, so a run's limit is its own."""
+    before = measure_bandwidth()
+    seconds, out = timed(fn)
+    after = measure_bandwidth()
+    return seconds, out, None if before is None else (before + after) / 2
+
+
 def main(argv: list[str]) -> None:
-    name, request_path, result_path = argv
+    name, request_path, result_path = argv[:3]
+    channel = (os.fdopen(int(argv[3]), "w"), os.fdopen(int(argv[4]))) if len(argv) == 5 else None
     req = json.loads(open(request_path).read())
     startup, peer = timed(lambda: PEERS[name](req))
     result: dict = {"startup_s": startup}
@@ -86,9 +109,10 @@ def main(argv: list[str]) -> None:
     if req.get("batch1"):
         b = req["batch1"]
         prefill = min(timed(lambda: peer.generate([b["prompt"]], [1]))[0] for _ in range(req["repeats"]))
-        runs = [timed(lambda: peer.generate([b["prompt"]], [1 + b["new_tokens"]])) for _ in range(req["repeats"])]
-        result["batch1"] = {"prefill_s": prefill, "decode_s": [t - prefill for t, _ in runs],
-                            "token_ids": runs[-1][1][0]}
+        runs = [timed_with_bandwidth(lambda: peer.generate([b["prompt"]], [1 + b["new_tokens"]]),
+                                     lambda: ask_bandwidth(channel)) for _ in range(req["repeats"])]
+        result["batch1"] = {"prefill_s": prefill, "decode_s": [t - prefill for t, _, _ in runs],
+                            "copy_bandwidth": [bw for _, _, bw in runs], "token_ids": runs[-1][1][0]}
     with open(result_path, "w") as f:
         json.dump(result, f)
 

@@ -61,30 +61,79 @@ def test_peer_runner_times_generate_calls_and_leaves_prefill_out_of_batch1(tmp_p
     assert min(res["offline"]["seconds"]) >= 0.05 + 0.02 + 0.05 + 0.01
     assert 0.09 <= min(res["batch1"]["decode_s"]) < 0.2  # 10 tokens x 10 ms, the 50 ms prompt left out
     assert res["batch1"]["token_ids"] == [(4 + i) % 7 for i in range(11)]
+    assert res["batch1"]["copy_bandwidth"] == [None, None]  # no parent to measure it
+
+
+def test_peer_asks_the_parent_for_the_bandwidth_around_a_timed_call(tmp_path, monkeypatch):
+    """The pipe between common/bench_peers.py and a peer's process: the peer asks for the copy bandwidth right before
+    and right after its timed call and waits; the parent measures it each time and answers; the peer keeps the
+    mean. A real child process, the parent's measurement replaced by 10 and then 30 GB/s."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from common import bench_peers, bench_utils
+
+    answers = iter([10e9, 30e9])
+    monkeypatch.setattr(bench_utils, "copy_bandwidth", lambda *a, **k: next(answers))
+    child = tmp_path / "child.py"
+    child.write_text(f"""import json, os, sys
+sys.path.insert(0, {str(COMMON)!r})
+import peer_runner
+channel = (os.fdopen(int(sys.argv[1]), "w"), os.fdopen(int(sys.argv[2])))
+seconds, out, bw = peer_runner.timed_with_bandwidth(lambda: 7, lambda: peer_runner.ask_bandwidth(channel))
+open(sys.argv[3], "w").write(json.dumps([out, bw]))
+""")
+    to_child_r, to_child_w = os.pipe()
+    to_parent_r, to_parent_w = os.pipe()
+    proc = subprocess.Popen([sys.executable, str(child), str(to_parent_w), str(to_child_r), str(tmp_path / "out")],
+                            pass_fds=(to_parent_w, to_child_r))
+    os.close(to_parent_w)
+    os.close(to_child_r)
+    bench_peers.answer_bandwidth_requests(proc, to_parent_r, to_child_w, time.monotonic() + 60)
+    assert proc.returncode == 0
+    assert json.loads((tmp_path / "out").read_text()) == [7, 20e9]
+    assert next(answers, None) is None  # asked exactly twice
 
 
 def test_peer_table_ratios_and_bandwidth_limit(capsys):
     """The comparison table: tokens/s from the best run, ratios against vLLM in the same dtype, the bandwidth limit
-    (copy bandwidth / weight bytes per token), the share of the read bandwidth's, and token agreement with the
-    course's last stage listed."""
+    of the best batch-1 run (the copy bandwidth measured around it / weight bytes per token), and token agreement
+    with the course's last stage listed."""
     from common.bench_peers import print_peer_table
 
     def row(system, dtype, off_s, b1_s, ids):
         return {"system": system, "dtype": dtype, "weight_bytes": 10**9 if dtype == "float32" else 5 * 10**8,
                 "offline": None if off_s is None else {"seconds": [off_s, off_s * 2], "token_ids": ids},
-                "batch1": {"decode_s": [b1_s], "token_ids": [1, 2]}}
+                "batch1": {"decode_s": [b1_s * 2, b1_s], "copy_bandwidth": [90e9, 40e9], "token_ids": [1, 2]}}
 
     rows = [row("stage5_cudagraph", "float32", 10.0, 4.0, [[1], [2]]), row("vllm", "float32", 20.0, 8.0, [[1], [3]]),
             row("llama.cpp", "float32", None, 2.0, None)]
-    print_peer_table(rows, output_tokens=1000, batch1_tokens=100, bandwidth=40e9, read_bandwidth=25e9)
+    del rows[2]["batch1"]["copy_bandwidth"]  # a result without a parent to measure it: no limit
+    print_peer_table(rows, output_tokens=1000, batch1_tokens=100)
     lines = capsys.readouterr().out.splitlines()
     ours = next(line for line in lines if "stage5_cudagraph" in line).split()
     assert ours[2:5] == ["100.0", "2.00x", "25.0"]  # 1000 tokens / 10 s; vs vLLM's 50; batch 1: 100 / 4 s
-    assert ours[6:9] == ["40.0", "0.62x", "1.00x"]  # 40 GB/s / 1 GB per token; 25 of 40; 25 of 25 (read)
+    assert ours[6:9] == ["40.0", "40.0", "0.62x"]  # the best run's 40 GB/s / 1 GB per token; 25 of 40
     vllm = next(line for line in lines if line.split()[0] == "vllm").split()
     assert vllm[-2:] == ["1/2,", "identical"]
     llama = next(line for line in lines if "llama.cpp" in line).split()
-    assert llama[2] == "-" and llama[4] == "50.0"
+    assert llama[2] == "-" and llama[4] == "50.0" and llama[6:9] == ["-", "-", "-"]
+
+
+def test_bandwidth_source_is_written_so_reads_reach_memory():
+    """The copy and read bandwidths read a source whose every byte was written first: an untouched CPU allocation
+    maps to the kernel's shared zero page, so reading it would be served from cache and the 'bandwidth' (and the
+    limit the peer table derives from it) would be inflated."""
+    import torch
+
+    from common.bench_utils import bandwidth_source, copy_bandwidth, read_bandwidth
+
+    src = bandwidth_source("cpu", gib=1 / 1024)
+    assert src.numel() == 1 << 20 and src.dtype == torch.uint8 and bool((src == 1).all())
+    assert copy_bandwidth("cpu", gib=1 / 1024, repeats=2) > 0 and read_bandwidth("cpu", gib=1 / 1024, repeats=2) > 0
 
 
 def test_profile_splits_a_step_on_a_tiny_model(capsys):
