@@ -199,20 +199,29 @@ class StepAttention:
         return step_attention(q, k, v, layer_id)
 
 
+def step_inputs_only(guards) -> list[bool]:
+    """Dynamo's guard filter for the compiled decode: keep the guards on the step's input tensors
+    (their shapes pick the bucket) and on the global modes (grad mode and the like, unnamed);
+    drop those on the model and the static ForwardBatch, which a replay never changes."""
+    return [g.name in ("input_ids", "positions") or g.name == "" for g in guards]
+
+
 class CompiledRunner(GraphRunner):
     """GraphRunner's buckets, buffers and padding; "capture" compiles the decode forward for each
     bucket, "replay" calls that compiled code. `compile_seconds[bs]`: what each bucket's compile
     cost.
 
-    A replay runs with dynamo's guards cut to those that tell the buckets apart (their batch size;
-    `skip_guard_eval_unsafe`): checking all of them (every parameter of the model) cost ~0.8 ms a
-    step at batch 1. It is safe here for the reason a CUDA graph replay is: the inputs are the same
-    static buffers, model and shapes every time. For the same reason the generated code does not
-    check each input's sizes and strides on every call (`size_asserts`: ~220 checks a step at
-    batch 1, ~0.2 ms). And it calls its kernels and operators from C++ (`cpp_wrapper`), not
-    from the Python module inductor writes by default, one Python call each (~300 a step):
-    compiling takes longer (the wrapper is C++ too: ~40 s a bucket for SmolLM2, once: inductor
-    keeps it in its on-disk cache), and a step takes less time (README, "On a CPU")."""
+    Dynamo guards the compiled code with only the inputs that tell the buckets apart (their
+    batch size) and the global modes (`guard_filter_fn`, `step_inputs_only`): by default it would
+    also check ~6,800 guards on the model's modules and parameters and on the static batch before
+    every step (~0.5 ms at batch 1, even cut to the buckets' differences at replay). It is safe
+    for the reason a CUDA graph replay is: the model and the static buffers are the same every
+    time. For the same reason the generated code does not check each input's sizes and strides on
+    every call (`size_asserts`: ~220 checks a step at batch 1, ~0.2 ms). And it calls its kernels
+    and operators from C++ (`cpp_wrapper`), not from the Python module inductor writes by default,
+    one Python call each (~300 a step): compiling takes longer (the wrapper is C++ too: ~40 s a
+    bucket for SmolLM2, once: inductor keeps it in its on-disk cache), and a step takes less time
+    (README, "On a CPU")."""
 
     def capture(self) -> None:
         import torch._dynamo
@@ -227,8 +236,15 @@ class CompiledRunner(GraphRunner):
         def decode_forward(input_ids, positions, fb):
             return forward(model, input_ids, positions, fb)  # [bs, vocab]
 
+        # Dynamo keeps compiled code on the function's code object, which every runner's
+        # decode_forward shares: with the model's guards filtered out, a second engine in this
+        # process (another dtype, say) would run the first one's code. A copy of the code object
+        # gives each runner a cache of its own.
+        decode_forward.__code__ = decode_forward.__code__.replace()
+
         self.compiled = torch.compile(decode_forward, dynamic=False, fullgraph=True,
-                                      options={"size_asserts": False, "cpp_wrapper": True})
+                                      options={"size_asserts": False, "cpp_wrapper": True,
+                                               "guard_filter_fn": step_inputs_only})
         self.static_batches = {bs: self.forward_batch(bs) for bs in self.buckets}
         if self.engine.attn_backend.name not in IN_GRAPH_BACKENDS:
             for fb in self.static_batches.values():
@@ -237,7 +253,7 @@ class CompiledRunner(GraphRunner):
         for bs in reversed(self.buckets):
             self.load_inputs(self.padding_batch(bs))
             start = time.perf_counter()
-            self.launch(self.padding_batch(bs), bs, compiling=True)  # the first call compiles
+            self.launch(self.padding_batch(bs), bs)  # the first call compiles
             self.compile_seconds[bs] = time.perf_counter() - start
 
     def padding_batch(self, bs: int) -> ForwardBatch:
@@ -252,10 +268,10 @@ class CompiledRunner(GraphRunner):
         e.attn_backend.init_forward_metadata(fb)
         return fb
 
-    def launch(self, fb: ForwardBatch, bs: int, compiling: bool = False) -> torch.Tensor:
+    def launch(self, fb: ForwardBatch, bs: int) -> torch.Tensor:
         _step_batch[0] = fb
         try:
-            with torch.no_grad(), torch.compiler.set_stance(skip_guard_eval_unsafe=not compiling):
+            with torch.no_grad():
                 return self.compiled(self.input_ids[:bs], self.positions[:bs],
                                      self.static_batches[bs])
         finally:

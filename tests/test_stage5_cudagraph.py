@@ -476,6 +476,22 @@ def test_compiled_decode_takes_the_cpu_backends_attention_into_the_graph(compile
     compiled_cpu_llm.scheduler.check_integrity()
 
 
+def test_compiled_engines_of_two_dtypes_in_one_process_keep_their_own_code(compiled_llm, path):
+    """The compiled decode guards only its step inputs, not the model: a bfloat16 engine compiled in the process
+    where a float32 one already runs must get code of its own (each runner's decode_forward has its own code object,
+    so its own dynamo cache), not the float32 engine's. Its tokens are the eager bfloat16 engine's."""
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    prompt = [[5, 9, 14, 3, 7]]
+    eager = LLM(path, dtype="bfloat16", attention_backend="torch", verbose=False)
+    want = eager.generate(prompt, params)[0].token_ids
+    bf16 = LLM(path, dtype="bfloat16", attention_backend="torch", enable_torch_compile=True, torch_compile_max_bs=1,
+               verbose=False)
+    replays = bf16.engine.num_graph_replays
+    assert bf16.generate(prompt, params)[0].token_ids == want
+    assert bf16.engine.num_graph_replays - replays == 7
+    assert compiled_llm.generate(prompt, params)[0].token_ids  # the float32 engine still runs its own
+
+
 def test_torch_compile_max_bs_must_be_positive(path):
     with pytest.raises(ValueError, match="torch_compile_max_bs must be >= 1"):
         LLM(path, enable_torch_compile=True, torch_compile_max_bs=0, verbose=False)
