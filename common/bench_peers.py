@@ -278,6 +278,12 @@ def print_peer_table(rows: list[dict], output_tokens: int, batch1_tokens: int) -
         print(f"   {r['system']:30s} {r['dtype']:9s} {cell(tps, 13)} {ratio(tps, peer_tps)} {b1:13.1f} "
               f"{ratio(b1, peer_b1)} {cell(bandwidth and bandwidth / 1e9, 9)} {cell(limit, 11)} {ratio(b1, limit)}  "
               f"{same_off}, {'identical' if same_b1 else 'differ'}")
+    for r in rows:  # every batch-1 run: the machine's bandwidth moves, and the share of it with it
+        bandwidths = r["batch1"].get("copy_bandwidth") or []
+        runs = [f"{batch1_tokens / s:.1f} at {bw / 1e9:.1f} ({batch1_tokens / s * r['weight_bytes'] / bw:.2f}x)"
+                for s, bw in zip(r["batch1"]["decode_s"], bandwidths) if bw]
+        if runs:
+            print(f"   batch-1 runs, tok/s at copy GB/s (of limit): {r['system']} {r['dtype']}: {', '.join(runs)}")
     print("   copy GB/s: a 512 MiB tensor copy (bytes read + written), measured right before and right after that "
           "system's best batch-1 run (the mean); limit tok/s: that bandwidth / the weight bytes a decode step reads; "
           "tokens compared with the course's last stage listed, in the same dtype")

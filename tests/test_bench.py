@@ -121,6 +121,9 @@ def test_peer_table_ratios_and_bandwidth_limit(capsys):
     assert vllm[-2:] == ["1/2,", "identical"]
     llama = next(line for line in lines if "llama.cpp" in line).split()
     assert llama[2] == "-" and llama[4] == "50.0" and llama[6:9] == ["-", "-", "-"]
+    runs = next(line for line in lines if "batch-1 runs" in line and "stage5_cudagraph" in line)
+    assert runs.endswith("stage5_cudagraph float32: 12.5 at 90.0 (0.14x), 25.0 at 40.0 (0.62x)")
+    assert not any("batch-1 runs" in line and "llama.cpp" in line for line in lines)
 
 
 def test_bandwidth_source_is_written_so_reads_reach_memory():
