@@ -127,20 +127,28 @@ def run_peer(name: str, request: dict, timeout: float = 3600) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         req_path, res_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req_path.write_text(json.dumps(request))
-        to_child_r, to_child_w = os.pipe()
-        to_parent_r, to_parent_w = os.pipe()
         with open(Path(tmp) / "stderr.txt", "w+") as err:
-            proc = subprocess.Popen([str(py), str(RUNNER), name, str(req_path), str(res_path), str(to_parent_w),
-                                     str(to_child_r)], cwd=tmp, env=peer_env(name, request["threads"]),
-                                    stdout=subprocess.DEVNULL, stderr=err, pass_fds=(to_parent_w, to_child_r))
-            os.close(to_parent_w)
-            os.close(to_child_r)
-            answer_bandwidth_requests(proc, to_parent_r, to_child_w, time.monotonic() + timeout)
+            proc, from_child, to_child = popen_with_channel(
+                [str(py), str(RUNNER), name, str(req_path), str(res_path)], cwd=tmp,
+                env=peer_env(name, request["threads"]), stdout=subprocess.DEVNULL, stderr=err)
+            answer_bandwidth_requests(proc, from_child, to_child, time.monotonic() + timeout)
             err.seek(0)
             stderr = err.read()
         if proc.returncode != 0 or not res_path.exists():
             raise RuntimeError(f"peer {name} failed (exit {proc.returncode}):\n{stderr[-3000:]}")
         return json.loads(res_path.read_text())
+
+
+def popen_with_channel(cmd: list[str], **popen_kwargs) -> tuple[subprocess.Popen, int, int]:
+    """Start `cmd` with a pipe each way, the child's ends appended to its arguments as descriptors (to the parent,
+    from the parent: peer_runner.py's last two); -> (process, the parent's reading end, its writing end)."""
+    to_child_r, to_child_w = os.pipe()
+    to_parent_r, to_parent_w = os.pipe()
+    proc = subprocess.Popen([*cmd, str(to_parent_w), str(to_child_r)], pass_fds=(to_parent_w, to_child_r),
+                            **popen_kwargs)
+    os.close(to_parent_w)
+    os.close(to_child_r)
+    return proc, to_parent_r, to_child_w
 
 
 def answer_bandwidth_requests(proc: subprocess.Popen, from_child: int, to_child: int, deadline: float) -> None:
@@ -195,11 +203,13 @@ def run_course(stage_name: str, path: str, dtype: str, work, batch1, repeats: in
         many = Workload([batch1["prompt"]], [1 + batch1["new_tokens"]])
         prefill = min(run_stage(stage_name, llm, one)[0] for _ in range(repeats))
         measure = lambda: copy_bandwidth("cpu", gib=PROBE_GIB, repeats=PROBE_REPEATS)  # noqa: E731
-        decode = [timed_with_bandwidth(lambda: run_stage(stage_name, llm, many), measure)[1:]
-                  for _ in range(repeats)]  # [((seconds, token ids), copy bandwidth)]
+        decode = []  # [(seconds, token ids, copy bandwidth)], as in peer_runner.py
+        for _ in range(repeats):
+            _, (seconds, ids), bandwidth = timed_with_bandwidth(lambda: run_stage(stage_name, llm, many), measure)
+            decode.append((seconds, ids, bandwidth))
         return {"offline": {"seconds": [t for t, _ in runs], "token_ids": runs[-1][1]},
-                "batch1": {"prefill_s": prefill, "decode_s": [t - prefill for (t, _), _ in decode],
-                           "copy_bandwidth": [bw for _, bw in decode], "token_ids": decode[-1][0][1][0]},
+                "batch1": {"prefill_s": prefill, "decode_s": [t - prefill for t, _, _ in decode],
+                           "copy_bandwidth": [bw for _, _, bw in decode], "token_ids": decode[-1][1][0]},
                 "weight_bytes": weight_bytes_per_token(llm.engine)}
     finally:
         if hasattr(llm, "close"):

@@ -163,16 +163,3 @@ def copy_bandwidth(device: str, gib: float = 2.0, repeats: int = 20) -> float:
         dst.copy_(src)
     sync(device)
     return 2 * src.numel() * repeats / (time.perf_counter() - start)
-
-
-def read_bandwidth(device: str, gib: float = 2.0, repeats: int = 20) -> float:
-    """Bytes/s of a plain read: torch's own sum over a float32 tensor (each byte read once, one number written): what
-    a decode step that only read its weights would see, beside the copy's figure (bytes read + written)."""
-    src = bandwidth_source(device, gib).view(torch.float32)
-    src.sum()
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        src.sum()
-    sync(device)
-    return 4 * src.numel() * repeats / (time.perf_counter() - start)

@@ -69,8 +69,6 @@ def test_peer_asks_the_parent_for_the_bandwidth_around_a_timed_call(tmp_path, mo
     and right after its timed call and waits; the parent measures it each time and answers; the peer keeps the
     mean. A real child process, the parent's measurement replaced by 10 and then 30 GB/s."""
     import json
-    import os
-    import subprocess
     import sys
     import time
 
@@ -82,17 +80,12 @@ def test_peer_asks_the_parent_for_the_bandwidth_around_a_timed_call(tmp_path, mo
     child.write_text(f"""import json, os, sys
 sys.path.insert(0, {str(COMMON)!r})
 import peer_runner
-channel = (os.fdopen(int(sys.argv[1]), "w"), os.fdopen(int(sys.argv[2])))
+channel = (os.fdopen(int(sys.argv[2]), "w"), os.fdopen(int(sys.argv[3])))
 seconds, out, bw = peer_runner.timed_with_bandwidth(lambda: 7, lambda: peer_runner.ask_bandwidth(channel))
-open(sys.argv[3], "w").write(json.dumps([out, bw]))
+open(sys.argv[1], "w").write(json.dumps([out, bw]))
 """)
-    to_child_r, to_child_w = os.pipe()
-    to_parent_r, to_parent_w = os.pipe()
-    proc = subprocess.Popen([sys.executable, str(child), str(to_parent_w), str(to_child_r), str(tmp_path / "out")],
-                            pass_fds=(to_parent_w, to_child_r))
-    os.close(to_parent_w)
-    os.close(to_child_r)
-    bench_peers.answer_bandwidth_requests(proc, to_parent_r, to_child_w, time.monotonic() + 60)
+    proc, from_child, to_child = bench_peers.popen_with_channel([sys.executable, str(child), str(tmp_path / "out")])
+    bench_peers.answer_bandwidth_requests(proc, from_child, to_child, time.monotonic() + 60)
     assert proc.returncode == 0
     assert json.loads((tmp_path / "out").read_text()) == [7, 20e9]
     assert next(answers, None) is None  # asked exactly twice
@@ -127,16 +120,16 @@ def test_peer_table_ratios_and_bandwidth_limit(capsys):
 
 
 def test_bandwidth_source_is_written_so_reads_reach_memory():
-    """The copy and read bandwidths read a source whose every byte was written first: an untouched CPU allocation
+    """The copy bandwidth reads a source whose every byte was written first: an untouched CPU allocation
     maps to the kernel's shared zero page, so reading it would be served from cache and the 'bandwidth' (and the
     limit the peer table derives from it) would be inflated."""
     import torch
 
-    from common.bench_utils import bandwidth_source, copy_bandwidth, read_bandwidth
+    from common.bench_utils import bandwidth_source, copy_bandwidth
 
     src = bandwidth_source("cpu", gib=1 / 1024)
     assert src.numel() == 1 << 20 and src.dtype == torch.uint8 and bool((src == 1).all())
-    assert copy_bandwidth("cpu", gib=1 / 1024, repeats=2) > 0 and read_bandwidth("cpu", gib=1 / 1024, repeats=2) > 0
+    assert copy_bandwidth("cpu", gib=1 / 1024, repeats=2) > 0
 
 
 def test_profile_splits_a_step_on_a_tiny_model(capsys):
