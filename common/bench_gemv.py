@@ -4,7 +4,7 @@
 
 Every matrix product a decode step of the model makes (per layer: qkv, o, gate_up, down; then the LM head), each
 with its own random weights of the model's shapes (so nothing stays in cache between steps), once through
-`stage9_moe_cpu::gemv` (the weight's plain rows) and once through oneDNN (the weight packed as stage 5 packs it),
+`stage9_moe_cpu::gemv` (the weight in its blocked layout, block_for_gemv) and once through oneDNN (the weight packed as stage 5 packs it),
 alternating, best of --repeats; both dtypes. Beside them, a plain read of the same matrices, one call each
 (`torch.sum`, torch's own vectorized reduction: the same bytes, no product). Prints ms per step, the bandwidth that
 is (weight bytes / time), the ratios, and the copy bandwidth measured first (bytes read + written; on a shared
@@ -47,10 +47,11 @@ def main(args) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         plain = [torch.randn(n, k, generator=gen).to(dtype) for n, k in shapes]
         packed = [pack_weight(w).data for w in plain]
+        blocked = [cpu.block_for_gemv(w) for w in plain]
         xs = {k: torch.randn(args.rows, k, generator=gen).to(dtype) for _, k in shapes}
         nbytes = sum(w.numel() * w.element_size() for w in plain)
         runs = {
-            "gemv": lambda: [cpu.gemv(xs[w.shape[1]], w, None) for w in plain],
+            "gemv": lambda: [cpu.gemv(xs[w.shape[1]], b, None, w.shape[0]) for w, b in zip(plain, blocked)],
             "oneDNN": lambda: [torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
                                for (_, k), w in zip(shapes, packed)],
             "read": lambda: [w.sum() for w in plain],

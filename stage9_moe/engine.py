@@ -91,7 +91,7 @@ class MemoryReport:
     max_context_len: int
     # stage 7: weights every rank holds whole (norms, biases after an all-reduce, shared KV)
     replicated_bytes: int = 0
-    # stage 9 on a CPU: the plain copies of the packed weights that gemv reads (layers.py)
+    # stage 9 on a CPU: the copies of the packed weights that gemv reads, in its layout (layers.py)
     gemv_copy_bytes: int = 0
 
     @property
@@ -105,7 +105,7 @@ class MemoryReport:
             f"KV cache {self.kv_bytes_per_token / 1024:.1f} KiB/token ({self.kv_dtype}), "
             f"{_mb(self.kv_bytes_per_token * self.max_context_len)} for one "
             f"{self.max_context_len}-token sequence"
-            + (f"; plain weight copies for gemv {_mb(self.gemv_copy_bytes)}"
+            + (f"; weight copies for gemv {_mb(self.gemv_copy_bytes)}"
                if self.gemv_copy_bytes else "")
         )
 

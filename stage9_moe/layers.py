@@ -152,10 +152,10 @@ PACK_ROWS_HINT = 64
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            gemv_weight: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) for x [N, in], W [out, in] (plain, or packed by pack_weight): on oneDNN on a
-    CPU, else F.linear. Stage 9: a decode step of a few rows reads `gemv_weight`, W's plain copy,
-    with the C++ gemv (kernels/cpu_ops.cpp) instead."""
+    CPU, else F.linear. Stage 9: a decode step of a few rows reads `gemv_weight`, W's copy laid
+    out for the C++ gemv (kernels/cpu_ops.cpp), with that gemv instead."""
     if gemv_weight is not None and x.dim() == 2 and 1 <= x.shape[0] <= kernels.cpu.GEMV_MAX_ROWS:
-        return kernels.cpu.gemv(x, gemv_weight, bias)  # [N, out]
+        return kernels.cpu.gemv(x, gemv_weight, bias, weight.shape[0])  # [N, out]
     if weight.is_mkldnn or (x.device.type == "cpu" and x.dtype in ONEDNN_DTYPES and x.dim() == 2):
         # graph.py's compiled decode: an operator inductor calls as it is
         if torch.compiler.is_compiling():
@@ -196,9 +196,9 @@ def pack_linear_weights(model: nn.Module) -> int:
     """After loading, on a CPU: pack every linear layer's weight (this rank's shard) in place of the
     plain one. An untied LM head is packed the same way; a tied one gets a packed copy beside the
     embedding, which lookups still read plainly. Stage 9: where the C++ gemv builds, each layer
-    keeps its plain weight too (`gemv_weight`, a buffer), read by decode steps of a few rows: the
-    price is a second copy of the layers' weights in memory. Returns the number of weights
-    packed."""
+    (and the LM head) also keeps a copy of its weight in gemv's layout (`gemv_weight`, a buffer),
+    read by decode steps of a few rows: the price is a second copy of the weights in memory.
+    Returns the number of weights packed."""
     linears = (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, ParallelLMHead)
     packed = 0
     for module in model.modules():
@@ -208,24 +208,23 @@ def pack_linear_weights(model: nn.Module) -> int:
             packed += 1
     head = getattr(model, "lm_head", None)
     if type(head) is VocabParallelEmbedding and can_pack(head.weight):
-        head.gemv_weight = keep_for_gemv(head.weight)  # the embedding itself: no copy
+        head.gemv_weight = keep_for_gemv(head.weight)
         head.packed_weight = pack_weight(head.weight).data  # a buffer, not a second parameter
         packed += 1
     return packed
 
 
 def gemv_copy_bytes(model: nn.Module) -> int:
-    """Bytes of the plain copies kept for gemv (a tied LM head's is the embedding: not a copy)."""
-    params = {p.data_ptr() for p in model.parameters() if not p.is_mkldnn}
-    rows = {b.data_ptr(): b.numel() * b.element_size() for name, b in model.named_buffers()
-            if name.endswith("gemv_weight") and b.data_ptr() not in params}
-    return sum(rows.values())
+    """Bytes of the copies kept for gemv."""
+    return sum(b.numel() * b.element_size() for name, b in model.named_buffers()
+               if name.endswith("gemv_weight"))
 
 
 def keep_for_gemv(weight: torch.Tensor) -> torch.Tensor | None:
-    """The plain [out, in] weight for kernels.cpu.gemv, or None where it does not run."""
+    """The [out, in] weight laid out for kernels.cpu.gemv, or None where it does not run."""
     use = kernels.current_backend() in ("auto", "cpu") and kernels.cpu.unavailable_reason() is None
-    return weight.data if use else None  # pack_linear_weights calls it for weights can_pack takes
+    # pack_linear_weights calls it for weights can_pack takes
+    return kernels.cpu.block_for_gemv(weight.detach()) if use else None
 
 
 def copy_into(dst: torch.Tensor, loaded) -> None:

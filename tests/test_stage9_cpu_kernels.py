@@ -108,10 +108,11 @@ def test_cpu_kernels_refuse_bad_input():
 @pytest.mark.parametrize("out_features,in_features,bias", [(576, 576, False), (960, 576, True), (13, 100, True),
                                                            (3, 5, False), (70, 1536, False), (9, 40, True)])
 def test_cpu_gemv_matches_float64_and_onednn(dtype, rows, out_features, in_features, bias):
-    """Odd sizes reach every tail: rows of W past the last block of 8, K past the last full vector."""
+    """Odd sizes reach every padding: rows of W past the last block of 8, K past the last 64 bytes; an odd number of
+    blocks leaves a thread one block to read alone."""
     x, w = rand(rows, in_features, dtype=dtype), rand(out_features, in_features, dtype=dtype, seed=1)
     b = rand(out_features, dtype=dtype, seed=2) if bias else None
-    got = cpu.gemv(x, w, b)
+    got = cpu.gemv(x, cpu.block_for_gemv(w), b, out_features)
     exact = x.double() @ w.double().T + (b.double() if bias else 0)  # [rows, out]
     assert got.dtype == dtype and got.shape == (rows, out_features)
     if dtype == torch.float32:
@@ -122,9 +123,19 @@ def test_cpu_gemv_matches_float64_and_onednn(dtype, rows, out_features, in_featu
     close(got, onednn, dtype, fp32_tol=1e-4)
 
 
-def test_linear_reads_the_plain_copy_for_one_or_two_rows():
-    """pack_linear_weights keeps each weight's plain rows beside oneDNN's packed copy; layers.linear sends one or two
-    rows to gemv, more to oneDNN; with the torch kernels forced at packing time no copy is kept."""
+def test_block_for_gemv_interleaves_each_block_of_8_rows_one_64_byte_piece_at_a_time():
+    w = torch.arange(10 * 20, dtype=torch.float32).view(10, 20)  # float32: 16 to a piece
+    blocked = cpu.block_for_gemv(w)
+    assert blocked.shape == (2, 2, 8, 16)  # [ceil(10 / 8), ceil(20 / 16), 8, 16]
+    assert torch.equal(blocked[0, 0], w[:8, :16]) and torch.equal(blocked[0, 1, :, :4], w[:8, 16:])
+    assert torch.equal(blocked[1, 1, :2, :4], w[8:, 16:])
+    assert not blocked[0, 1, :, 4:].any() and not blocked[1, :, 2:].any()  # the padding is zeros
+    assert cpu.block_for_gemv(w.bfloat16()).shape == (2, 1, 8, 32)  # bfloat16: 32 to a piece
+
+
+def test_linear_reads_the_gemv_copy_for_one_or_two_rows():
+    """pack_linear_weights keeps a copy of each weight in gemv's layout beside oneDNN's packed one; layers.linear
+    sends one or two rows to gemv, more to oneDNN; with the torch kernels forced at packing time no copy is kept."""
     from torch import nn
 
     from stage9_moe import layers
@@ -136,15 +147,15 @@ def test_linear_reads_the_plain_copy_for_one_or_two_rows():
     plain = [m.weight.data.clone() for m in model]
     assert layers.pack_linear_weights(model) == 2
     for m, w in zip(model, plain):
-        assert m.weight.is_mkldnn and torch.equal(m.gemv_weight, w)
+        assert m.weight.is_mkldnn and torch.equal(m.gemv_weight, cpu.block_for_gemv(w))
     for rows in (0, 1, 2, 3, 8):  # no rows (an empty batch) is oneDNN's too
         x = rand(rows, 64, seed=rows)
-        want = cpu.gemv(x, plain[0], model[0].bias) if 1 <= rows <= cpu.GEMV_MAX_ROWS else \
+        want = cpu.gemv(x, model[0].gemv_weight, model[0].bias, 40) if 1 <= rows <= cpu.GEMV_MAX_ROWS else \
             torch.ops.mkldnn._linear_pointwise(x, model[0].weight, model[0].bias, "none", [], "")
         assert torch.equal(model[0](x), want)
     compiled = torch.compile(model[1], dynamic=False, fullgraph=True)  # gemv inside a compiled graph
     x = rand(1, 40, seed=9)
-    assert torch.equal(compiled(x), cpu.gemv(x, plain[1], None))
+    assert torch.equal(compiled(x), cpu.gemv(x, model[1].gemv_weight, None, 64))
     forced = layers.ReplicatedLinear(16, 8)
     with kernels.use_backend("torch"):
         layers.pack_linear_weights(nn.Sequential(forced))
@@ -152,14 +163,17 @@ def test_linear_reads_the_plain_copy_for_one_or_two_rows():
 
 
 def test_gemv_refuses_bad_input():
+    w = cpu.block_for_gemv(torch.randn(4, 8))
     with pytest.raises(RuntimeError, match="gemv takes 1 to 2 rows, got 3"):
-        cpu.gemv(torch.randn(3, 8), torch.randn(4, 8), None)
-    with pytest.raises(RuntimeError, match="weight must be a contiguous"):
-        cpu.gemv(torch.randn(1, 8), torch.randn(4, 7), None)
-    with pytest.raises(RuntimeError, match="weight must be a contiguous"):
-        cpu.gemv(torch.randn(1, 8), torch.randn(4, 8, dtype=torch.bfloat16), None)
+        cpu.gemv(torch.randn(3, 8), w, None, 4)
+    with pytest.raises(RuntimeError, match=r"weight must be a \[4, 8\] matrix of x's dtype blocked by block_for_gemv"):
+        cpu.gemv(torch.randn(1, 8), torch.randn(4, 8), None, 4)  # a plain matrix
+    with pytest.raises(RuntimeError, match=r"weight must be a \[9, 8\] matrix"):
+        cpu.gemv(torch.randn(1, 8), w, None, 9)  # 9 rows need two blocks
+    with pytest.raises(RuntimeError, match=r"weight must be a \[4, 8\] matrix of x's dtype"):
+        cpu.gemv(torch.randn(1, 8), cpu.block_for_gemv(torch.randn(4, 8, dtype=torch.bfloat16)), None, 4)
     with pytest.raises(RuntimeError, match="bias must be"):
-        cpu.gemv(torch.randn(1, 8), torch.randn(4, 8), torch.randn(5))
+        cpu.gemv(torch.randn(1, 8), w, torch.randn(5), 4)
 
 
 def test_golden_smollm2_one_prompt_at_a_time_through_gemv():

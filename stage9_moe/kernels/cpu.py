@@ -8,7 +8,8 @@ another order, exp/cos/sin may differ in the last bit), which is why the golden 
 equality with native.py, are their check.
 
 `gemv` is the matmul of a small decode batch (up to GEMV_MAX_ROWS rows): layers.linear calls it,
-compiled decode included, with the weight's plain rows, which pack_linear_weights keeps for it.
+compiled decode included, with a copy of the weight that pack_linear_weights lays out for it once
+(`block_for_gemv`).
 
 Built on first use by the same loader as the attention kernels (attention/cpu_backend.py, ~20 s
 once, cached). Where no compiler is found, or the build fails, the torch versions run instead:
@@ -37,7 +38,7 @@ def load():
             _ops.append(torch.ops.stage9_moe_cpu)  # the operators the build registered
             # its output's shape, for torch.compile, which calls gemv inside a compiled decode
             torch.library.register_fake("stage9_moe_cpu::gemv")(
-                lambda x, weight, bias: x.new_empty(x.shape[0], weight.shape[0]))
+                lambda x, weight, bias, out_features: x.new_empty(x.shape[0], out_features))
         except RuntimeError as e:
             _error.append(f"the CPU elementwise kernels did not build: {e}")
     if _error:
@@ -85,5 +86,22 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return q_out, k_out
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return load().gemv(x, weight, bias)  # x [M, in], weight [out, in] -> [M, out]
+GEMV_BLOCK = 8  # rows of W per block, as in cpu_ops.cpp
+
+
+def block_for_gemv(weight: torch.Tensor) -> torch.Tensor:
+    """W [out, in] laid out as gemv reads it: [out / 8, in / V, 8, V], V = 64 bytes of the dtype
+    (16 float32, 32 bfloat16), zero-padded up to whole blocks. Each block of 8 rows is one run of
+    memory, its rows interleaved one 64-byte piece (a cache line) at a time (cpu_ops.cpp)."""
+    out_features, in_features = weight.shape
+    v = 64 // weight.element_size()
+    padded = weight.new_zeros(-(-out_features // GEMV_BLOCK) * GEMV_BLOCK, -(-in_features // v) * v)
+    padded[:out_features, :in_features] = weight
+    blocks = padded.view(-1, GEMV_BLOCK, padded.shape[1] // v, v)  # [out / 8, 8, in / V, V]
+    return blocks.transpose(1, 2).contiguous()  # [out / 8, in / V, 8, V]
+
+
+def gemv(x: torch.Tensor, blocked_weight: torch.Tensor, bias: torch.Tensor | None,
+         out_features: int) -> torch.Tensor:
+    """x [M, in] @ W^T (+ bias) -> [M, out_features], W given as block_for_gemv(W)."""
+    return load().gemv(x, blocked_weight, bias, out_features)

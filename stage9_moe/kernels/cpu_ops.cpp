@@ -211,13 +211,32 @@ std::vector<torch::Tensor> rotary_embedding(torch::Tensor positions, torch::Tens
 }
 
 // ---------------------------------------------------------------- few-row matmul (decode)
-// y = x W^T (+ b) for x [M <= GEMV_MAX_ROWS, K] and W [N, K] in its plain row-major layout. With a
-// row or two of x, a matmul does 2 flops per weight it loads: the product is a read of W at memory
-// speed, and a decode step at batch 1 is ~120 of them. oneDNN's kernels (stage 5's packed weights)
-// are built for many rows; this one reads W's rows front to back, once, each thread a contiguous
-// run of them, R rows at a time, and multiplies every vector of W it loads into all M rows of x.
-// float32 accumulation whatever the dtype (as oneDNN's), bias added before the one rounding.
+// y = x W^T (+ b) for x [M <= GEMV_MAX_ROWS, K] and W [N, K]. With a row or two of x, a matmul
+// does 2 flops per weight it loads: the product is a read of W at memory speed, and a decode step
+// at batch 1 is ~120 of them. oneDNN's kernels (stage 5's packed weights) are built for many rows.
+// This one reads W in the layout block_for_gemv (kernels/cpu.py) gives it once, at load time:
+//   [N / 8, K / V, 8, V]   V = 64 bytes of T (16 float32, 32 bfloat16), zero-padded to whole blocks
+// each block's 8 rows interleaved one 64-byte piece at a time, so that a block is one run of
+// memory read front to back (its 8 rows read side by side in the plain layout were 8 runs). Each
+// thread takes a contiguous range of blocks and reads two of them at a time, one from each half
+// of its range: two runs, which keep more reads in flight than one, each run also asked for 1 KB
+// ahead of where it reads (a prefetch: the CPU's own prefetchers start later and stop at page
+// ends). Measured in `python -m common.bench gemv` (stage 9's README). Every vector of W loaded
+// is multiplied into all M rows of x; float32 accumulation whatever the dtype (as oneDNN's), the
+// bias added before the one rounding.
 constexpr int64_t GEMV_MAX_ROWS = 2;  // from 3 or 4 rows on oneDNN's kernels are as fast
+constexpr int64_t BLOCK = 8;          // rows of W per block: their 8 sums fill one 256-bit vector
+constexpr int64_t PREFETCH_BYTES = 1024;
+
+// Ask for the piece 1 KB ahead of p (one 64-byte line of each of a block's 8 rows): past the end
+// of W it is a harmless hint.
+static inline void prefetch_ahead(const void* p) {
+  for (int r = 0; r < BLOCK; ++r)
+    __builtin_prefetch(static_cast<const char*>(p) + PREFETCH_BYTES + r * 64, 0, 3);
+}
+
+template <typename T>
+constexpr int64_t piece() { return 64 / sizeof(T); }  // V: elements of a 64-byte piece
 
 #if defined(CPU_CAPABILITY_AVX512)
 // The sums of 8 vectors' lanes, in one vector: half of a row's lanes added to the other half, then
@@ -236,157 +255,182 @@ static inline __m256 sum8(const __m512* a) {
 }
 #endif
 
-// Rows [n, n + R) of W against the M rows of x (float, [M, K]) -> out[m * N + n + r].
-template <typename T, int R, int M>
-static void gemv_block(const T* w, int64_t K, const float* x, const T* bias, T* out, int64_t N,
-                       int64_t n) {
-  Vec acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = Vec(0.f);
-  auto step = [&](int64_t k, const Vec* wv) {
-    for (int m = 0; m < M; ++m) {
-      const Vec xv = Vec::loadu(x + m * K + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = at::vec::fmadd(wv[r], xv, acc[m][r]);
-    }
-  };
-  int64_t k = 0;
+// The 8 sums of block rows n..n+7 (+ bias) into out[n..], the rows past N (padding) dropped.
+template <typename T>
+static void store_sums(const Vec* acc, const T* bias, T* out, int64_t n, int64_t N) {
+#if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, float>) {
-    for (; k + Vec::size() <= K; k += Vec::size()) {
-      Vec wv[R];
-      for (int r = 0; r < R; ++r) wv[r] = Vec::loadu(w + (n + r) * K + k);
-      step(k, wv);
-    }
-  } else {  // 2 * Vec::size() bfloat16 weights a load, widened to two float vectors
-    for (; k + 2 * Vec::size() <= K; k += 2 * Vec::size()) {
-      Vec lo[R], hi[R];
-      for (int r = 0; r < R; ++r)
-        std::tie(lo[r], hi[r]) = at::vec::convert_to_float<T>(
-            at::vec::Vectorized<T>::loadu(w + (n + r) * K + k));
-      step(k, lo);
-      step(k + Vec::size(), hi);
+    if (n + BLOCK <= N) {
+      const __m512 a[8] = {acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]};
+      __m256 sums = sum8(a);
+      if (bias) sums = _mm256_add_ps(sums, _mm256_loadu_ps(bias + n));
+      _mm256_storeu_ps(out + n, sums);
+      return;
     }
   }
-  for (int m = 0; m < M; ++m) {
-#if defined(CPU_CAPABILITY_AVX512)
-    if constexpr (R == 8 && std::is_same_v<T, float>) {
-      if (k == K) {
-        const __m512 a[8] = {acc[m][0], acc[m][1], acc[m][2], acc[m][3],
-                             acc[m][4], acc[m][5], acc[m][6], acc[m][7]};
-        __m256 sums = sum8(a);
-        if (bias) sums = _mm256_add_ps(sums, _mm256_loadu_ps(bias + n));
-        _mm256_storeu_ps(out + m * N + n, sums);
-        continue;
+#endif
+  for (int64_t r = 0; r < BLOCK && n + r < N; ++r) {
+    Vec a = acc[r];
+    const float sum = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, a);
+    out[n + r] = T(bias ? sum + float(bias[n + r]) : sum);
+  }
+}
+
+// S blocks of W (numbers b[0..S)) against the M rows of x (float, [M, Kp]) -> out[m * N + ...].
+template <typename T, int M, int S>
+static void gemv_blocks(const T* w, int64_t Kp, const float* x, const T* bias, T* out, int64_t N,
+                        const int64_t* b) {
+  constexpr int64_t V = piece<T>();
+  Vec acc[S][M][BLOCK];
+  for (int s = 0; s < S; ++s)
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < BLOCK; ++r) acc[s][m][r] = Vec(0.f);
+  for (int64_t k = 0; k < Kp; k += V) {
+    if constexpr (std::is_same_v<T, float>) {
+      for (int64_t j = 0; j < V; j += Vec::size()) {
+        Vec xv[M];
+        for (int m = 0; m < M; ++m) xv[m] = Vec::loadu(x + m * Kp + k + j);
+        for (int s = 0; s < S; ++s) {
+          const float* p = w + (b[s] * Kp + k) * BLOCK + j;  // piece k / V of block b[s]: [8, V]
+          if (j == 0) prefetch_ahead(p);
+          for (int r = 0; r < BLOCK; ++r) {
+            const Vec wv = Vec::loadu(p + r * V);
+            for (int m = 0; m < M; ++m) acc[s][m][r] = at::vec::fmadd(wv, xv[m], acc[s][m][r]);
+          }
+        }
+      }
+    } else {  // bfloat16 widened to two float vectors a load (CPUs without AVX512-BF16)
+      using TVec = at::vec::Vectorized<T>;
+      for (int64_t j = 0; j < V; j += TVec::size()) {
+        for (int s = 0; s < S; ++s) {
+          const T* p = w + (b[s] * Kp + k) * BLOCK + j;
+          if (j == 0) prefetch_ahead(p);
+          for (int r = 0; r < BLOCK; ++r) {
+            auto [lo, hi] = at::vec::convert_to_float<T>(TVec::loadu(p + r * V));
+            for (int m = 0; m < M; ++m) {
+              const float* xk = x + m * Kp + k + j;
+              acc[s][m][r] = at::vec::fmadd(lo, Vec::loadu(xk), acc[s][m][r]);
+              acc[s][m][r] = at::vec::fmadd(hi, Vec::loadu(xk + Vec::size()), acc[s][m][r]);
+            }
+          }
+        }
       }
     }
-#endif
-    for (int r = 0; r < R; ++r) {
-      float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[m][r]);
-      for (int64_t j = k; j < K; ++j) sum += float(w[(n + r) * K + j]) * x[m * K + j];
-      out[m * N + n + r] = T(bias ? sum + float(bias[n + r]) : sum);
-    }
   }
+  for (int s = 0; s < S; ++s)
+    for (int m = 0; m < M; ++m) store_sums<T>(acc[s][m], bias, out + m * N, b[s] * BLOCK, N);
 }
 
 #if defined(__AVX512BF16__)
 // bfloat16 where the CPU has AVX512-BF16 (the instruction oneDNN's bfloat16 kernels use):
 // vdpbf16ps multiplies 32 bfloat16 pairs of W and x and adds each pair's two products into a float
-// lane, so x stays bfloat16 and nothing is widened.
-template <int R, int M>
-static void gemv_block_dpbf16(const at::BFloat16* w, int64_t K, const at::BFloat16* x,
-                              const at::BFloat16* bias, at::BFloat16* out, int64_t N, int64_t n) {
-  __m512 acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  auto step = [&](int64_t k, auto load) {
-    __m512bh wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = load(w + (n + r) * K + k);
-    for (int m = 0; m < M; ++m) {
-      const __m512bh xv = load(x + m * K + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv[r], xv);
-    }
-  };
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) step(k, [](const at::BFloat16* p) {
-    return (__m512bh)_mm512_loadu_si512(p); });
-  const __mmask32 tail = __mmask32((1u << (K - k)) - 1);  // a masked load of the last K % 32
-  if (k < K) step(k, [tail](const at::BFloat16* p) {
-    return (__m512bh)_mm512_maskz_loadu_epi16(tail, p); });
-  for (int m = 0; m < M; ++m) {
-    if constexpr (R == 8) {  // 8 rows' sums in one vector, rounded to bfloat16 together
-      __m256 sums = sum8(acc[m]);
-      if (bias) {  // 8 bfloat16 widened: each one's bits in the top half of a float
-        const __m128i b16 = _mm_loadu_si128((const __m128i*)(bias + n));
-        sums = _mm256_add_ps(sums, _mm256_castsi256_ps(_mm256_slli_epi32(
-                                       _mm256_cvtepu16_epi32(b16), 16)));
+// lane, so x stays bfloat16 and nothing is widened. A piece (32 bfloat16) is one instruction.
+template <int M, int S>
+static void gemv_blocks_dpbf16(const at::BFloat16* w, int64_t Kp, const at::BFloat16* x,
+                               const at::BFloat16* bias, at::BFloat16* out, int64_t N,
+                               const int64_t* b) {
+  __m512 acc[S][M][BLOCK];
+  for (int s = 0; s < S; ++s)
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < BLOCK; ++r) acc[s][m][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < Kp; k += 32) {
+    for (int s = 0; s < S; ++s) {
+      const at::BFloat16* p = w + (b[s] * Kp + k) * BLOCK;
+      prefetch_ahead(p);
+      __m512bh wv[BLOCK];
+      for (int r = 0; r < BLOCK; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(p + r * 32);
+      for (int m = 0; m < M; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * Kp + k);
+        for (int r = 0; r < BLOCK; ++r) acc[s][m][r] = _mm512_dpbf16_ps(acc[s][m][r], wv[r], xv);
       }
-      _mm_storeu_si128((__m128i*)(out + m * N + n), (__m128i)_mm256_cvtneps_pbh(sums));
-    } else {
-      for (int r = 0; r < R; ++r) {
-        const float sum = _mm512_reduce_add_ps(acc[m][r]);
-        out[m * N + n + r] = at::BFloat16(bias ? sum + float(bias[n + r]) : sum);
+    }
+  }
+  for (int s = 0; s < S; ++s) {
+    const int64_t n = b[s] * BLOCK;
+    for (int m = 0; m < M; ++m) {
+      at::BFloat16* o = out + m * N;
+      if (n + BLOCK <= N) {  // 8 rows' sums in one vector, rounded to bfloat16 together
+        __m256 sums = sum8(acc[s][m]);
+        if (bias) {  // 8 bfloat16 widened: each one's bits in the top half of a float
+          const __m128i b16 = _mm_loadu_si128((const __m128i*)(bias + n));
+          sums = _mm256_add_ps(sums, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                         _mm256_cvtepu16_epi32(b16), 16)));
+        }
+        _mm_storeu_si128((__m128i*)(o + n), (__m128i)_mm256_cvtneps_pbh(sums));
+      } else {
+        for (int64_t r = 0; r < BLOCK && n + r < N; ++r) {
+          const float sum = _mm512_reduce_add_ps(acc[s][m][r]);
+          o[n + r] = at::BFloat16(bias ? sum + float(bias[n + r]) : sum);
+        }
       }
     }
   }
 }
-#endif
-
-#if defined(__AVX512BF16__)
 constexpr bool kBf16Dot = true;
 #else
 constexpr bool kBf16Dot = false;
 #endif
 
+template <typename T, int M, int S, typename X>
+static inline void gemv_some(const T* w, int64_t Kp, const X* x, const T* bias, T* out, int64_t N,
+                             const int64_t* b) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<X, at::BFloat16>) {
+    gemv_blocks_dpbf16<M, S>(w, Kp, x, bias, out, N, b);
+    return;
+  }
+#endif
+  if constexpr (std::is_same_v<X, float>) gemv_blocks<T, M, S>(w, Kp, x, bias, out, N, b);
+}
+
 template <typename T, int M>
-static void gemv_rows(const T* w, int64_t N, int64_t K, const torch::Tensor& x, const T* bias,
+static void gemv_rows(const T* w, int64_t N, int64_t Kp, const torch::Tensor& x, const T* bias,
                       T* out) {
-  constexpr int R = 8;  // M * R accumulators and R rows of W stay in registers
   // x as the blocks read it: bfloat16 for vdpbf16ps, float otherwise (gemv converts it)
   using X = std::conditional_t<kBf16Dot && std::is_same_v<T, at::BFloat16>, at::BFloat16, float>;
   const X* xp = x.data_ptr<X>();
-  at::parallel_for(0, (N + R - 1) / R, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t n = b0 * R; n < std::min(b1 * R, N); n += R) {
-#if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<X, at::BFloat16>) {
-        if (n + R <= N) gemv_block_dpbf16<R, M>(w, K, xp, bias, out, N, n);
-        else for (int64_t i = n; i < N; ++i) gemv_block_dpbf16<1, M>(w, K, xp, bias, out, N, i);
-        continue;
+  at::parallel_for(0, (N + BLOCK - 1) / BLOCK, 8, [&](int64_t b0, int64_t b1) {
+    if constexpr (M == 1) {  // two blocks side by side, one from each half of the range
+      const int64_t half = (b1 - b0) / 2;
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t b[2] = {b0 + i, b0 + half + i};
+        gemv_some<T, M, 2>(w, Kp, xp, bias, out, N, b);
       }
-#endif
-      if constexpr (std::is_same_v<X, float>) {
-        if (n + R <= N) gemv_block<T, R, M>(w, K, xp, bias, out, N, n);
-        else for (int64_t i = n; i < N; ++i) gemv_block<T, 1, M>(w, K, xp, bias, out, N, i);
-      }
+      const int64_t last = b1 - 1;  // an odd range's last block alone
+      if ((b1 - b0) % 2) gemv_some<T, M, 1>(w, Kp, xp, bias, out, N, &last);
+    } else {  // with two rows of x, two blocks' sums would not fit in the registers
+      for (int64_t i = b0; i < b1; ++i) gemv_some<T, M, 1>(w, Kp, xp, bias, out, N, &i);
     }
   });
 }
 
-template <typename T>
-static void gemv_typed(const torch::Tensor& x, const torch::Tensor& weight,
-                       const std::optional<torch::Tensor>& bias, torch::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const T* w = weight.data_ptr<T>();
-  const T* b = bias ? bias->data_ptr<T>() : nullptr;
-  T* o = out.data_ptr<T>();
-  if (M == 1) gemv_rows<T, 1>(w, N, K, x, b, o);
-  else gemv_rows<T, 2>(w, N, K, x, b, o);
-}
-
-// x [M, K], weight [N, K], bias [N] or none -> [M, N], x's dtype
-torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias) {
+// x [M, K], weight: W [out_features, K] blocked by block_for_gemv, bias [out_features] or none ->
+// [M, out_features], x's dtype
+torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias,
+                   int64_t out_features) {
   check_rows(x, "x");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(M >= 1 && M <= GEMV_MAX_ROWS, "gemv takes 1 to ", GEMV_MAX_ROWS, " rows, got ", M);
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == K && weight.is_contiguous() &&
-                  weight.scalar_type() == x.scalar_type(),
-              "weight must be a contiguous [N, ", K, "] tensor of x's dtype");
+  const int64_t V = 64 / x.element_size(), Kp = (K + V - 1) / V * V;
+  TORCH_CHECK(weight.dim() == 4 && weight.is_contiguous() && weight.scalar_type() == x.scalar_type()
+                  && weight.size(0) == (N + BLOCK - 1) / BLOCK && weight.size(1) == Kp / V &&
+                  weight.size(2) == BLOCK && weight.size(3) == V,
+              "weight must be a [", N, ", ", K, "] matrix of x's dtype blocked by block_for_gemv: [",
+              (N + BLOCK - 1) / BLOCK, ", ", Kp / V, ", ", BLOCK, ", ", V, "], got ", weight.sizes());
   TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == N &&
                         bias->scalar_type() == x.scalar_type()), "bias must be [N], x's dtype");
+  // x as the blocks read it, [M, Kp]: zero-padded like W (a few KB, read again for every block)
+  auto xk = x.scalar_type() == torch::kBFloat16 && !kBf16Dot ? x.to(torch::kFloat) : x.contiguous();
+  if (Kp != K) xk = at::constant_pad_nd(xk, {0, Kp - K});
   auto out = torch::empty({M, N}, x.options());
-  if (x.scalar_type() == torch::kFloat) {
-    gemv_typed<float>(x.contiguous(), weight, bias, out);
-  } else {  // [M, K] as the block reads it: a few KB, read again for every row of W
-    gemv_typed<at::BFloat16>(kBf16Dot ? x.contiguous() : x.to(torch::kFloat), weight, bias, out);
-  }
+  auto run = [&](auto type_tag) {
+    using T = decltype(type_tag);
+    const T *w = weight.data_ptr<T>(), *b = bias ? bias->data_ptr<T>() : nullptr;
+    if (M == 1) gemv_rows<T, 1>(w, N, Kp, xk, b, out.data_ptr<T>());
+    else gemv_rows<T, 2>(w, N, Kp, xk, b, out.data_ptr<T>());
+  };
+  if (x.scalar_type() == torch::kFloat) run(float());
+  else run(at::BFloat16());
   return out;
 }
 
@@ -397,7 +441,7 @@ TORCH_LIBRARY(stage9_moe_cpu, m) {
   m.def("fused_add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps) -> Tensor[]");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor inv_freq) -> Tensor[]");
-  m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("gemv(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(stage9_moe_cpu, CPU, m) {
