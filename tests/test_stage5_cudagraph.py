@@ -476,6 +476,30 @@ def test_compiled_decode_takes_the_cpu_backends_attention_into_the_graph(compile
     compiled_cpu_llm.scheduler.check_integrity()
 
 
+def test_cpu_backend_makes_its_cpp_the_kernels_of_attention_and_the_kv_store(compiled_cpu_llm):
+    """Once its C++ builds, the cpu backend registers it as the CPU kernels of the three operators a layer of the
+    compiled decode calls (decode and extend attention, the KV store), in place of the Python functions they were
+    defined with (each a call from the compiled code into Python and back). The C++ store writes what the index
+    assignment does, from strided views of the qkv product, falls back to it where head_dim is not dense, and
+    refuses a slot outside the cache."""
+    from stage5_cudagraph import kv_cache
+
+    for op in ("paged_decode_attention", "paged_extend_attention", "store_kv"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"stage5_cudagraph::{op}", "CPU"), op
+    qkv = torch.randn(3, 5, 8)  # [N, H + 2 KVH, D]: k and v are views with the rows' stride of all 5 heads
+    loc = torch.tensor([6, 0, 3])
+    for dtype in (torch.float32, torch.bfloat16):
+        k, v = qkv[:, 1:3].to(dtype), qkv[:, 3:5].to(dtype)
+        for k, v in ((k, v), (k.transpose(1, 2).contiguous().transpose(1, 2), v)):  # the second: D strided
+            got, want = ([torch.zeros(2, 4, 2, 8, dtype=dtype) for _ in range(2)] for _ in range(2))
+            kv_cache.store_kv(*got, k, v, loc)
+            kv_cache._store_kv(*want, k, v, loc)
+            assert got[0].any() and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(RuntimeError, match=r"out_cache_loc\[0\] = 8 is outside the cache's 8 slots"):
+        kv_cache.store_kv(torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8), qkv[:1, :1], qkv[:1, 1:2],
+                          torch.tensor([8]))
+
+
 def test_compiled_engines_of_two_dtypes_in_one_process_keep_their_own_code(compiled_llm, path):
     """The compiled decode guards only its step inputs, not the model: a bfloat16 engine compiled in the process
     where a float32 one already runs must get code of its own (each runner's decode_forward has its own code object,

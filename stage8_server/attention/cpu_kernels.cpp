@@ -34,6 +34,9 @@
 #endif
 
 #include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -504,9 +507,76 @@ torch::Tensor paged_extend(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   });
 }
 
+// ---------------------------------------------------------------- the KV store (kv_cache.py)
+// k_cache, v_cache: one layer's [num_pages, page_size, KVH, D]; k, v: [N, KVH, D] (views of the
+// qkv product: any strides with D dense) -> row n written at token slot out_cache_loc[n]. What
+// kv_cache._store_kv's two index assignments do; other layouts go through those.
+void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
+              torch::Tensor out_cache_loc) {
+  const bool plain = k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type()
+                     && k_cache.is_contiguous() && v_cache.is_contiguous() && k.dim() == 3 &&
+                     k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1 &&
+                     out_cache_loc.scalar_type() == torch::kLong && out_cache_loc.is_contiguous();
+  if (!plain) {
+    k_cache.view({-1, k.size(1), k.size(2)}).index_put_({out_cache_loc}, k);
+    v_cache.view({-1, v.size(1), v.size(2)}).index_put_({out_cache_loc}, v);
+    return;
+  }
+  const int64_t N = k.size(0), KVH = k.size(1), D = k.size(2);
+  const int64_t slots = k_cache.numel() / (KVH * D), bytes = D * k.element_size();
+  TORCH_CHECK(k_cache.size(-2) == KVH && k_cache.size(-1) == D && v_cache.sizes() == k_cache.sizes(),
+              "the caches must be [num_pages, page_size, KVH, D] of k's heads and head_dim");
+  const int64_t* loc = out_cache_loc.data_ptr<int64_t>();
+  char *kc = static_cast<char*>(k_cache.data_ptr()), *vc = static_cast<char*>(v_cache.data_ptr());
+  const char *kp = static_cast<const char*>(k.data_ptr()), *vp = static_cast<const char*>(v.data_ptr());
+  const int64_t es = k.element_size();
+  for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(loc[n] >= 0 && loc[n] < slots, "out_cache_loc[", n, "] = ", loc[n],
+                " is outside the cache's ", slots, " slots");
+    for (int64_t h = 0; h < KVH; ++h) {
+      std::memcpy(kc + (loc[n] * KVH + h) * bytes, kp + (n * k.stride(0) + h * k.stride(1)) * es, bytes);
+      std::memcpy(vc + (loc[n] * KVH + h) * bytes, vp + (n * v.stride(0) + h * v.stride(1)) * es, bytes);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- as the operators' CPU kernels
+// cpu_backend.py and kv_cache.py define the operators, each stage package in its own namespace
+// (stage5_cudagraph::paged_decode_attention, ...), with a Python function as their kernel: a
+// call from stage 5's compiled decode then goes from C++ back into Python and out again, ~10 us a
+// call, for each of the three operators, every layer of every step. register_ops gives them these
+// C++ functions as their kernels for CPU tensors; the Python ones stay for the first call, which
+// builds this file.
+static torch::Tensor decode_op(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor page_table, torch::Tensor req_rows,
+                               torch::Tensor seq_lens, double scale) {
+  return paged_decode(q.contiguous(), k_cache, v_cache, page_table, req_rows, seq_lens, scale);
+}
+
+static torch::Tensor extend_op(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor page_table, torch::Tensor req_rows,
+                               torch::Tensor cu_seqlens, torch::Tensor seq_lens, double scale) {
+  return paged_extend(q.contiguous(), k_cache, v_cache, page_table, req_rows, cu_seqlens,
+                      seq_lens, scale);
+}
+
+static std::vector<std::unique_ptr<torch::Library>> registered;  // kept: dropping one unregisters
+
+void register_ops(const std::string& ns) {
+  auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns, c10::DispatchKey::CPU,
+                                              __FILE__, __LINE__);
+  lib->impl("paged_decode_attention", TORCH_FN(decode_op));
+  lib->impl("paged_extend_attention", TORCH_FN(extend_op));
+  lib->impl("store_kv", TORCH_FN(store_kv));
+  registered.push_back(std::move(lib));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode,
         "softmax(q k^T * scale) v over each request's cached keys, read through the page table");
   m.def("paged_extend", &paged_extend,
         "causal attention of each request's new tokens over its cached keys, through the page table");
+  m.def("store_kv", &store_kv, "write k and v at their token slots in one layer's caches");
+  m.def("register_ops", &register_ops,
+        "make these the CPU kernels of the operators of the namespace (a stage package)");
 }

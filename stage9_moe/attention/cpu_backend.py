@@ -66,6 +66,8 @@ def load_kernels():
         raise RuntimeError(_build_error[0])
     try:
         _kernels.append(build_extension(SOURCE, "paged_attention_cpu"))
+        # from now on the operators below (and kv_cache.store_kv) call the C++ directly
+        _kernels[0].register_ops(_PACKAGE)
     except RuntimeError as e:
         _build_error.append(f"the CPU attention kernels did not build: {e}")
         raise RuntimeError(_build_error[0]) from e
