@@ -513,31 +513,34 @@ torch::Tensor paged_extend(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 // kv_cache._store_kv's two index assignments do; other layouts go through those.
 void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
               torch::Tensor out_cache_loc) {
-  const bool plain = k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type()
-                     && k_cache.is_contiguous() && v_cache.is_contiguous() && k.dim() == 3 &&
-                     k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1 &&
-                     out_cache_loc.scalar_type() == torch::kLong && out_cache_loc.is_contiguous();
-  if (!plain) {
+  const auto fits = [](const torch::Tensor& rows, const torch::Tensor& cache) {
+    return rows.scalar_type() == cache.scalar_type() && cache.is_contiguous() && rows.dim() == 3 &&
+           rows.stride(2) == 1 && cache.size(-2) == rows.size(1) && cache.size(-1) == rows.size(2);
+  };
+  if (!fits(k, k_cache) || !fits(v, v_cache) || k_cache.sizes() != v_cache.sizes() ||
+      k.size(0) != v.size(0) || out_cache_loc.scalar_type() != torch::kLong ||
+      !out_cache_loc.is_contiguous()) {
     k_cache.view({-1, k.size(1), k.size(2)}).index_put_({out_cache_loc}, k);
     v_cache.view({-1, v.size(1), v.size(2)}).index_put_({out_cache_loc}, v);
     return;
   }
-  const int64_t N = k.size(0), KVH = k.size(1), D = k.size(2);
-  const int64_t slots = k_cache.numel() / (KVH * D), bytes = D * k.element_size();
-  TORCH_CHECK(k_cache.size(-2) == KVH && k_cache.size(-1) == D && v_cache.sizes() == k_cache.sizes(),
-              "the caches must be [num_pages, page_size, KVH, D] of k's heads and head_dim");
+  const int64_t N = k.size(0), KVH = k.size(1), slots = k_cache.numel() / (KVH * k.size(2));
   const int64_t* loc = out_cache_loc.data_ptr<int64_t>();
-  char *kc = static_cast<char*>(k_cache.data_ptr()), *vc = static_cast<char*>(v_cache.data_ptr());
-  const char *kp = static_cast<const char*>(k.data_ptr()), *vp = static_cast<const char*>(v.data_ptr());
-  const int64_t es = k.element_size();
-  for (int64_t n = 0; n < N; ++n) {
+  for (int64_t n = 0; n < N; ++n)  // all checked before anything is written
     TORCH_CHECK(loc[n] >= 0 && loc[n] < slots, "out_cache_loc[", n, "] = ", loc[n],
                 " is outside the cache's ", slots, " slots");
-    for (int64_t h = 0; h < KVH; ++h) {
-      std::memcpy(kc + (loc[n] * KVH + h) * bytes, kp + (n * k.stride(0) + h * k.stride(1)) * es, bytes);
-      std::memcpy(vc + (loc[n] * KVH + h) * bytes, vp + (n * v.stride(0) + h * v.stride(1)) * es, bytes);
-    }
-  }
+  // row n of `rows` ([KVH, D], D dense) to slot loc[n] of `cache`, one head's D values at a time
+  const auto write = [&](const torch::Tensor& rows, torch::Tensor& cache) {
+    const int64_t es = rows.element_size(), bytes = rows.size(2) * es;
+    char* dst = static_cast<char*>(cache.data_ptr());
+    const char* src = static_cast<const char*>(rows.data_ptr());
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t h = 0; h < KVH; ++h)
+        std::memcpy(dst + (loc[n] * KVH + h) * bytes,
+                    src + (n * rows.stride(0) + h * rows.stride(1)) * es, bytes);
+  };
+  write(k, k_cache);
+  write(v, v_cache);
 }
 
 // ---------------------------------------------------------------- as the operators' CPU kernels

@@ -412,11 +412,12 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, std::optional<torch::T
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(M >= 1 && M <= GEMV_MAX_ROWS, "gemv takes 1 to ", GEMV_MAX_ROWS, " rows, got ", M);
   const int64_t V = 64 / x.element_size(), Kp = (K + V - 1) / V * V;
-  TORCH_CHECK(weight.dim() == 4 && weight.is_contiguous() && weight.scalar_type() == x.scalar_type()
-                  && weight.size(0) == (N + BLOCK - 1) / BLOCK && weight.size(1) == Kp / V &&
-                  weight.size(2) == BLOCK && weight.size(3) == V,
-              "weight must be a [", N, ", ", K, "] matrix of x's dtype blocked by block_for_gemv: [",
-              (N + BLOCK - 1) / BLOCK, ", ", Kp / V, ", ", BLOCK, ", ", V, "], got ", weight.sizes());
+  const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+  TORCH_CHECK(weight.dim() == 4 && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type() && weight.size(0) == blocks &&
+                  weight.size(1) == Kp / V && weight.size(2) == BLOCK && weight.size(3) == V,
+              "weight must be a [", N, ", ", K, "] matrix of x's dtype blocked by block_for_gemv: ",
+              "[", blocks, ", ", Kp / V, ", ", BLOCK, ", ", V, "], got ", weight.sizes());
   TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == N &&
                         bias->scalar_type() == x.scalar_type()), "bias must be [N], x's dtype");
   // x as the blocks read it, [M, Kp]: zero-padded like W (a few KB, read again for every block)
