@@ -4,8 +4,8 @@
 
 Every matrix product a decode step of the model makes (per layer: qkv, o, gate_up, down; then the LM head), each
 with its own random weights of the model's shapes (so nothing stays in cache between steps), once through
-`stage9_moe_cpu::gemv` (the weight in its blocked layout, block_for_gemv) and once through oneDNN (the weight packed as stage 5 packs it),
-alternating, best of --repeats; both dtypes. Beside them, a plain read of the same matrices, one call each
+`stage9_moe_cpu::gemv` (the weight in its blocked layout, block_for_gemv) and once through oneDNN (the weight
+packed as stage 5 packs it), alternating, best of --repeats; both dtypes. Beside them, a plain read of the same matrices, one call each
 (`torch.sum`, torch's own vectorized reduction: the same bytes, no product). Prints ms per step, the bandwidth that
 is (weight bytes / time), the ratios, and the copy bandwidth measured first (bytes read + written; on a shared
 virtual machine it moves between minutes, the in-run ratios less so).

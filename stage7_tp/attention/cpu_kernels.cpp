@@ -34,10 +34,10 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <string>
-#include <cmath>
 #include <type_traits>
 #include <vector>
 

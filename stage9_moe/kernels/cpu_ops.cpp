@@ -219,11 +219,11 @@ std::vector<torch::Tensor> rotary_embedding(torch::Tensor positions, torch::Tens
 // each block's 8 rows interleaved one 64-byte piece at a time, so that a block is one run of
 // memory read front to back (its 8 rows read side by side in the plain layout were 8 runs). Each
 // thread takes a contiguous range of blocks and reads two of them at a time, one from each half
-// of its range: two runs, which keep more reads in flight than one, each run also asked for 1 KB
-// ahead of where it reads (a prefetch: the CPU's own prefetchers start later and stop at page
-// ends). Measured in `python -m common.bench gemv` (stage 9's README). Every vector of W loaded
-// is multiplied into all M rows of x; float32 accumulation whatever the dtype (as oneDNN's), the
-// bias added before the one rounding.
+// of its range: two runs, and each run asks for the memory 1 KB ahead of where it reads (a
+// software prefetch); on the 2-vCPU EPYC of stage 9's README each of the three read one step's
+// matrices faster than without it. Its speed: `python -m common.bench gemv`. Every vector of W
+// loaded is multiplied into all M rows of x; float32 accumulation whatever the dtype (as
+// oneDNN's), the bias added before the one rounding.
 constexpr int64_t GEMV_MAX_ROWS = 2;  // from 3 or 4 rows on oneDNN's kernels are as fast
 constexpr int64_t BLOCK = 8;          // rows of W per block: their 8 sums fill one 256-bit vector
 constexpr int64_t PREFETCH_BYTES = 1024;
