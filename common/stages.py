@@ -136,6 +136,8 @@ def cmd_diff(root: Path, args: argparse.Namespace) -> int:
         chosen = [s for s in stages if s.number < chosen[0].number][-1:] + chosen
         if len(chosen) == 1:
             raise StageError(f"{chosen[0].name} is the first stage; nothing to diff against")
+    if args.part or args.core:
+        return print_part_diff(root, stages, chosen, args)
     for a, b in [(chosen[0], chosen[1])] if chosen else zip(stages, stages[1:]):
         diffs = diff_stages(a, b)
         print(format_summary(a, b, diffs))
@@ -144,6 +146,28 @@ def cmd_diff(root: Path, args: argparse.Namespace) -> int:
                 sys.stdout.write(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
         print()
     return 0
+
+
+def print_part_diff(root: Path, stages: list[Stage], chosen: list[Stage], args: argparse.Namespace) -> int:
+    """`diff N-1 N --part N.k` / `--core`: only the hunks of the chosen parts of chapter N."""
+    from .stage_parts import map_chapter, part_diff
+
+    if len(chosen) != 2 or [s for s in stages if s.number < chosen[1].number][-1:] != chosen[:1]:
+        raise StageError("--part and --core show one chapter: name two consecutive stages (diff 3 4)")
+    number = chosen[1].number
+    wanted = set(args.part or []) | ({p.id for p in map_chapter(root, number).parts if p.kind == "core"}
+                                     if args.core else set())
+    for line in part_diff(root, number, wanted):
+        print(line)
+    return 0
+
+
+def cmd_parts(root: Path, args: argparse.Namespace) -> int:
+    from .stage_parts import format_chapter, map_chapter
+
+    chapter = map_chapter(root, resolve_stage(find_stages(root), args.stage).number)
+    print(json.dumps(chapter.as_json(), indent=1) if args.json else format_chapter(chapter))
+    return 1 if chapter.problems or chapter.unclaimed else 0
 
 
 def _absolute_imports(node: ast.AST, in_function: bool = False) -> Iterator[tuple[int, str, bool]]:
@@ -201,6 +225,13 @@ def golden_tests(root: Path, stage: Stage) -> tuple[bool, str]:
     return proc.returncode == 0, out[-1] if proc.returncode == 0 else "\n".join(out[-25:])
 
 
+def name_only_noise(stages: list[Stage], stage: Stage) -> list[str]:
+    from .stage_parts import name_only_differences
+
+    before = [s for s in stages if s.number < stage.number]
+    return name_only_differences(before[-1], stage) if before else []
+
+
 def cmd_check(root: Path, args: argparse.Namespace) -> int:
     stages = find_stages(root)
     chosen = [resolve_stage(stages, s) for s in args.stages] if args.stages else stages
@@ -213,7 +244,11 @@ def cmd_check(root: Path, args: argparse.Namespace) -> int:
         print(f"  isolation  {'ok' if not problems else f'{len(problems)} violation(s)'}")
         for problem in problems:
             print(f"    {problem}")
-        ok = error is None and not problems
+        noise = name_only_noise(stages, stage)
+        print(f"  names      {'ok' if not noise else f'{len(noise)} file(s) differ only by a stage name'}")
+        for rel in noise:
+            print(f"    {stage.name}/{rel}")
+        ok = error is None and not problems and not noise
         if not args.no_tests:
             passed, report = golden_tests(root, stage)
             print(f"  golden     {'ok: ' if passed else 'FAILED: '}" + report.replace("\n", "\n    "))
@@ -363,6 +398,14 @@ def build_parser() -> argparse.ArgumentParser:
                 "identical, then the unified diff (notebooks: summary only). `diff 3` = previous stage vs 3.")
     p.add_argument("stages", nargs="*", metavar="STAGE", help=stage_help)
     p.add_argument("--stat", action="store_true", help="print only the summary")
+    p.add_argument("--part", action="append", metavar="N.K", help="only this part's hunks (repeatable)")
+    p.add_argument("--core", action="store_true", help="only the hunks of the chapter's core parts")
+    p = command("parts", cmd_parts, "List a chapter's lesson map: its parts in reading order",
+                "Chapter N is the diff stage N-1 -> N, its parts declared in common/parts/stageN.toml. Per "
+                "part: id, kind (core/optional), lines added, the definitions it adds or changes. Exit 1 if "
+                "a line is unclaimed or a part breaks a rule (core <= 300 lines, optional <= 600).")
+    p.add_argument("stage", metavar="N", help=stage_help)
+    p.add_argument("--json", action="store_true", help='{"parts": [...], "unclaimed": N, ...}')
     p = command("check", cmd_check, "Check that stages are standalone and pass the golden tests",
                 "Per stage (default: all): import it in a fresh interpreter, scan its .py files for imports "
                 f"of stage packages or `common`, run `pytest -q {GOLDEN_TESTS} -k <stage>`. Exit 1 on failure.")

@@ -1,4 +1,4 @@
-"""python -m stage1_naive --prompt "..." --max-new-tokens 100"""
+"""%(prog)s --prompt "..." --max-new-tokens 100"""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from . import LLM, SamplingParams
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m stage1_naive", description=__doc__)
+    parser = argparse.ArgumentParser(prog=f"python -m {__package__}", description=__doc__)
     parser.add_argument("--model", default="smollm2-135m-instruct",
                         help="short name or local HF folder")
     parser.add_argument("--prompt",

@@ -1,4 +1,4 @@
-"""python -m stage2_batch --prompt "..." --prompt "..." --max-new-tokens 100 [--attention-backend
+"""%(prog)s --prompt "..." --prompt "..." --max-new-tokens 100 [--attention-backend
 triton]"""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from .attention import BACKENDS
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m stage2_batch", description=__doc__)
+    parser = argparse.ArgumentParser(prog=f"python -m {__package__}", description=__doc__)
     parser.add_argument("--model", default="smollm2-135m-instruct",
                         help="short name or local HF folder")
     parser.add_argument("--prompt", action="append", help="repeat to batch several prompts")

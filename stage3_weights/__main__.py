@@ -1,4 +1,4 @@
-"""python -m stage3_weights --model tiny-qwen3 --prompt "..." --dtype bfloat16 --memory-report
+"""%(prog)s --model tiny-qwen3 --prompt "..." --dtype bfloat16 --memory-report
 
 Any local Hugging Face folder of a Llama / Qwen2 / Qwen3 / Mistral checkpoint works as --model."""
 
@@ -12,7 +12,7 @@ from .attention import BACKENDS
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m stage3_weights", description=__doc__)
+    parser = argparse.ArgumentParser(prog=f"python -m {__package__}", description=__doc__)
     parser.add_argument("--model", default="smollm2-135m-instruct",
                         help="short name or local HF folder")
     parser.add_argument("--prompt", action="append", help="repeat to batch several prompts")

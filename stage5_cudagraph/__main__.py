@@ -1,4 +1,4 @@
-"""python -m stage5_cudagraph --prompt "..." --prompt "..." --max-new-tokens 100 [--stream]"""
+"""%(prog)s --prompt "..." --prompt "..." --max-new-tokens 100 [--stream]"""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from .server_args import ServerArgs
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m stage5_cudagraph", description=__doc__)
+    parser = argparse.ArgumentParser(prog=f"python -m {__package__}", description=__doc__)
     parser.add_argument("--prompt", action="append", help="repeat for several requests")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="wrap each prompt in the model's chat template (default on)")

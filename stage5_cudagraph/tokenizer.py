@@ -86,7 +86,7 @@ def check_tokenizer_files(model_path: Path) -> None:
 
 class Tokenizer:
     def __init__(self, model_path: str | Path, config: TokenizerConfig | None = None):
-        # imported here: `import stage5_cudagraph` stays light
+        # imported here: importing the package stays light
         from transformers import AutoTokenizer
 
         # A copy: the fields filled in below are this checkpoint's, and the caller may reuse its

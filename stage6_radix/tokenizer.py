@@ -86,7 +86,7 @@ def check_tokenizer_files(model_path: Path) -> None:
 
 class Tokenizer:
     def __init__(self, model_path: str | Path, config: TokenizerConfig | None = None):
-        from transformers import AutoTokenizer  # imported here: `import stage6_radix` stays light
+        from transformers import AutoTokenizer  # imported here: importing the package stays light
 
         # A copy: the fields filled in below are this checkpoint's, and the caller may reuse its
         # config elsewhere.

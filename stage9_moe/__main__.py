@@ -1,5 +1,5 @@
-"""python -m stage9_moe --model M --port 30000   serve the OpenAI-compatible API (the default)
-python -m stage9_moe --prompt "..." [--prompt "..."] [--stream]   offline, as earlier stages
+"""%(prog)s --model M --port 30000   serve the OpenAI-compatible API (the default)
+%(prog)s --prompt "..." [--prompt "..."] [--stream]   offline, as earlier stages
 
 Engine flags apply to both; sampling flags (--temperature, --stop, ...) to the offline run only: a
 server takes them from each request."""
@@ -24,7 +24,7 @@ OFFLINE_FLAGS = ("chat", "stream", "max_new_tokens", "temperature", "top_k", "to
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m stage9_moe", description=__doc__,
+    parser = argparse.ArgumentParser(prog=f"python -m {__package__}", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--prompt", action="append",

@@ -103,7 +103,7 @@ class LLM:
         Stage 7: tp_size > 1 splits the model over that many ranks: this process is rank 0, the
         others are spawned (a script doing this must create the LLM under `if __name__ ==
         "__main__":`, as with any spawned process). With nnodes > 1 this process and tp_size /
-        nnodes ranks run on this machine (node 0); each other node runs `python -m stage9_moe
+        nnodes ranks run on this machine (node 0); each other node runs `python -m <stage>
         --node-rank N` with the same flags. dist_init_addr ("host:port", where rank 0 listens) is
         needed then; on one node a free local port is picked. load_format "dummy": random weights.
         enable_tp_sync_check: after every step, compare the batch each rank built and the tokens it
@@ -119,7 +119,7 @@ class LLM:
             raise ValueError(
                 f"node_rank={args.node_rank}: the LLM runs on node 0; another node serves its "
                 "ranks "
-                "with serve_node (python -m stage9_moe --node-rank N)"
+                f"with serve_node (python -m {__package__} --node-rank N)"
             )
         if args.tp_size > 1:
             check_not_importing_main(f"LLM(tp_size={args.tp_size})")
@@ -340,7 +340,7 @@ class LLM:
 def serve_node(server_args: ServerArgs, tokenizer_config: TokenizerConfig | None = None) -> None:
     """Run node server_args.node_rank (> 0) of a multi-node tensor-parallel engine: its tp_size /
     nnodes ranks, until rank 0 (the LLM on node 0, with the same options) shuts them down. `python
-    -m stage9_moe --node-rank N` calls this."""
+    -m <stage> --node-rank N` calls this."""
     if server_args.node_rank == 0:
         raise ValueError(
             f"node_rank must be in [1, {server_args.nnodes}) here; node 0 runs the LLM itself")
