@@ -32,8 +32,8 @@ from .scheduler.scheduler import SCHEDULE_POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
-# On a CPU a token costs less in a larger prefill step (oneDNN's matmuls), and a prompt cut in fewer
-# chunks puts fewer small decode steps between them (README, "Chunked prefill on a CPU").
+# On a CPU a token costs less in a larger prefill step (larger matmuls), and a prompt cut in fewer
+# chunks puts fewer small decode steps between them (stage 4 README, 4.4).
 CPU_CHUNKED_PREFILL_SIZE, CUDA_CHUNKED_PREFILL_SIZE = 2048, 512
 
 
@@ -53,7 +53,8 @@ class ServerArgs:
         "float32", "weights and KV cache dtype, converted at load; auto = the "
         "checkpoint's own", choices=DTYPES)
     attention_backend: str | None = option(
-        None, "default: triton on CUDA, torch on CPU (cpu: C++ decode kernels, built on first use)",
+        None, "default: triton on CUDA; on a CPU cpu (C++ kernels, built on first use), "
+        "or torch if they cannot build",
         choices=BACKENDS)
 
     # Memory: the KV pool (engine.plan_kv_pool)
@@ -120,6 +121,22 @@ class ServerArgs:
         None, "server: the model name clients send and /v1/models lists "
         "(default: --model)")
     log_level: str = option("warning", "server: uvicorn's log level", choices=LOG_LEVELS)
+    # Who may use the server, and how much one request may ask (README, "Exposing the server")
+    api_key: str | None = option(
+        None, "server: require `Authorization: Bearer KEY` on every route but /health and the "
+        "playground page (default: $SGLANG_API_KEY; neither set: no key)")
+    allowed_origins: str | None = option(
+        None, "server: comma-separated web origins whose pages may call the API (CORS), e.g. "
+        "http://localhost:5173 (default: none, only the server's own pages)")
+    allowed_hosts: str | None = option(
+        None, "server: comma-separated Host names to answer besides the address it listens on "
+        "(a proxy's or DNS name; default: that address, and localhost on a loopback one)")
+    max_request_body_bytes: int = option(16 * 2**20, "server: largest request body (413 above)")
+    max_requests_per_call: int = option(
+        256, "server: engine requests one HTTP request may make, prompts x n (400 above)")
+    grammar_compile_timeout: float = option(
+        30.0, "seconds a request's grammar (json_schema, regex, ebnf) may take to compile; past "
+        "it the request fails alone")
 
     # Stage 9: mixture-of-experts layers (moe.py)
     moe_runner_backend: str = option(
@@ -143,7 +160,7 @@ class ServerArgs:
             choices = f.metadata.get("choices")
             if choices and isinstance(value, str) and value not in choices:
                 raise ValueError(f"unknown {f.name} {value!r}; choose one of {', '.join(choices)}")
-        # None: the device's own (stage 4 README, "Chunked prefill on a CPU")
+        # None: the device's own (stage 4 README, 4.4)
         if self.chunked_prefill_size is None:
             on_cpu = self.device.split(":")[0] == "cpu"
             self.chunked_prefill_size = (CPU_CHUNKED_PREFILL_SIZE if on_cpu
@@ -187,6 +204,15 @@ class ServerArgs:
                 "nnodes > 1 needs dist_init_addr (host:port of rank 0, reachable from every node)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        at_least(self, "max_request_body_bytes", 1024)
+        at_least(self, "max_requests_per_call", 1)
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty (leave it unset for no key)")
+        for origin in comma_list(self.allowed_origins):
+            scheme, _, rest = origin.partition("://")
+            if origin != "*" and (scheme not in ("http", "https") or not rest or "/" in rest):
+                raise ValueError(f"allowed_origins: {origin!r} is not an origin like "
+                                 "http://host:port (or *, any origin)")
 
     # ---------------------------------------------------------------- the two doors
     @classmethod
@@ -253,6 +279,11 @@ def cli_type(hint) -> type:
     dropped)."""
     allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     return next(t for t in allowed if t in (int, float, bool, str))
+
+
+def comma_list(value: str | None) -> list[str]:
+    """'a, b,c' -> ['a', 'b', 'c']; None -> []."""
+    return [item.strip() for item in (value or "").split(",") if item.strip()]
 
 
 def at_least(args: ServerArgs, name: str, low: float) -> None:

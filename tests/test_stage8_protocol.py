@@ -202,12 +202,15 @@ def test_models_retrieve_methods_and_content_types(small):
     error = resp.json()["error"]
     assert error["type"] == "invalid_request_error" and "use POST" in error["message"]
 
+    # only JSON declared as such: text/plain and forms are what a web page may send cross-site
     form = "application/x-www-form-urlencoded"  # what curl -d sends
     for content_type in (form, "text/plain", None):
         headers = {"Content-Type": content_type} if content_type else {}
         resp = small.http.post("/v1/chat/completions", content=json.dumps(CHAT), headers=headers)
-        assert resp.status_code == 200, (content_type, resp.text)
-    resp = small.http.post("/v1/completions", content="prompt=Hi", headers={"Content-Type": form})
+        assert resp.status_code == 415, (content_type, resp.text)
+        assert resp.json()["error"]["code"] == "unsupported_media_type"
+    resp = small.http.post("/v1/completions", content="prompt=Hi",
+                           headers={"Content-Type": "application/json"})
     assert resp.status_code == 400 and "malformed JSON" in resp.json()["error"]["message"]
 
 

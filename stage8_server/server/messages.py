@@ -39,7 +39,8 @@ class PortArgs:
 
     @staticmethod
     def new() -> "PortArgs":
-        folder = tempfile.mkdtemp(prefix="sglz-")  # mode 0700: only this user can connect
+        # mode 0700: only this user can connect; named after the launcher's pid, for people
+        folder = tempfile.mkdtemp(prefix=f"sglz-{os.getpid()}-")
         return PortArgs(*(f"ipc://{os.path.join(folder, name)}"
                           for name in ("api", "tokenizer", "scheduler", "detokenizer")))
 

@@ -4,6 +4,7 @@ parent is gone."""
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
 import os
 import signal
 import sys
@@ -38,8 +39,10 @@ class ChildProcess:
 
     def ready(self, info=None) -> None:
         """The handshake: the launcher waits for this before it starts the next process or
-        serves."""
-        self.ready_conn.send(("ready", info))
+        serves. It also names the processes this one started (the scheduler's tensor-parallel
+        ranks), for /get_server_info."""
+        started = {p.name.replace("-", " "): p.pid for p in multiprocessing.active_children()}
+        self.ready_conn.send(("ready", info, started))
         self.ready_conn.close()
 
     def failed(self) -> None:

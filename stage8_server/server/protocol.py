@@ -27,12 +27,17 @@ Two conventions make real clients work without weakening that:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 128  # OpenAI's limit on n
+# torch.Generator.manual_seed takes [-2**63, 2**64 - 1], a negative seed wrapping modulo 2**64; the
+# engine takes [0, 2**64 - 1] (SamplingParams). Copy i of a request samples with seed + i, so
+# seed + n - 1 must fit too.
+SEED_MIN, SEED_MAX = 0, 2**64 - 1
 
 
 class APIError(Exception):
@@ -52,17 +57,51 @@ class APIError(Exception):
         }
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """APIError.body(), as /openapi.json declares it."""
+
+    error: ErrorDetail
+
+
 # Values that ask for nothing this server would do differently: accepted, dropped before validation.
 NO_OPS = {"store": [False], "tools": [[]], "response_format": [{"type": "text"}]}
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # allow_inf_nan=False: NaN and infinities (JSON's NaN, Infinity, 1e400) refused in every float
+    # field, by name
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
     def null_is_absent(cls, data):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+def check_finite(value, where: str = ""):
+    """A JSON value (a schema) as given, or ValueError naming the first NaN or infinity in it: a
+    grammar built from one would not be JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"a number must be finite, got {value} at {where or 'the top'}")
+    items = value.items() if isinstance(value, dict) else enumerate(value) \
+        if isinstance(value, list) else ()
+    for key, item in items:
+        check_finite(item, f"{where}.{key}" if where else str(key))
+    return value
+
+
+def check_seed(seed: int | None, n: int) -> None:
+    if seed is not None and seed + n - 1 > SEED_MAX:
+        raise APIError(400, f"seed: copy i of a request samples with seed + i, so seed + n - 1 "
+                       f"must be at most 2**64 - 1; with n={n}, seed may be at most "
+                       f"{SEED_MAX - n + 1}", "seed")
 
 
 def drop_no_ops(body: dict) -> dict:
@@ -107,6 +146,8 @@ class JSONSchemaSpec(Strict):
     schema_: dict | None = Field(None, alias="schema")  # `schema` is a pydantic method's name
     strict: bool | None = None  # the output always follows the schema here, strict or not
 
+    _finite = field_validator("schema_")(check_finite)
+
 
 class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]  # "text" alone is a no-op (dropped)
@@ -134,7 +175,7 @@ class SamplingFields(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Union[str, list[str], None] = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     # OpenAI's end-user id: accepted; this server has no accounts to use it for
@@ -152,6 +193,11 @@ class SamplingFields(Strict):
     @classmethod
     def no_op_is_absent(cls, data):
         return drop_no_ops(data) if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def seed_fits_every_copy(self):
+        check_seed(self.seed, self.n)
+        return self
 
     def sampling_params(self, max_new_tokens: int | None) -> dict:
         """OpenAI names -> SamplingParams names; what is not given keeps the engine's default."""
@@ -199,6 +245,8 @@ class FunctionDefinition(Strict):
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of the arguments; None: none
     strict: bool | None = None
+
+    _finite = field_validator("parameters")(check_finite)
 
 
 class Tool(Strict):
@@ -342,7 +390,7 @@ class GenerateSamplingParams(Strict):
     ignore_eos: bool = False
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] = Field(default_factory=list)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     json_schema: str | None = None  # structured outputs: at most one of these three
     regex: str | None = None
     ebnf: str | None = None

@@ -15,15 +15,20 @@ turns what comes back into OpenAI's shape. Streaming uses server-sent events: ea
 `data: {json}` followed by a blank line; the stream ends with `data: [DONE]`. A client that
 disconnects has its requests aborted.
 
-A body is read as JSON whatever its Content-Type says (`curl -d` sends form encoding); every error,
-a wrong method included, has OpenAI's shape. Shutting down (APIServer) goes in order: stop
-accepting, end every live request (a stream gets an error event and [DONE]), close the sockets.
+Before a handler runs, access.AccessGuard checks who asks (Host, Origin, the API key) and what is
+sent (a JSON body, not too large); each handler then checks how much it asks (RequestLimits: prompts
+x n, a prompt's bytes against the context). The request models are declared in /openapi.json, so
+that schema-driven clients and fuzzers see the contract; the handlers read the raw body themselves,
+to name a bad field in OpenAI's error shape. Every error, a wrong method included, has that shape.
+Shutting down (APIServer) goes in order: stop accepting, end every live request (a stream gets an
+error event and [DONE]), close the sockets.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -31,14 +36,17 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .access import AccessGuard, AccessPolicy, RequestLimits, body_too_large
 from .engine_client import Disconnected, EngineClient, RequestHandle
 from .messages import EngineInfo, PortArgs
 from .openai_serving import ChatBuilder, CompletionBuilder, GenerateBuilder, ResponseBuilder
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, GenerateRequest
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse,
+                       GenerateRequest)
 
 PLAYGROUND = Path(__file__).parent / "static" / "playground.html"
 
@@ -48,13 +56,59 @@ def sse(body: dict | str) -> str:
     return f"data: {body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-async def read_body(request: Request, model: type[BaseModel]):
-    """The body as JSON, whatever its Content-Type (FastAPI would hand a form-encoded one over as
-    bytes, and the error would speak of a dictionary); its errors go to FastAPI's handler."""
+REQUEST_BODIES = {"/v1/chat/completions": ChatCompletionRequest,
+                  "/v1/completions": CompletionRequest, "/generate": GenerateRequest}
+# What a route may answer besides 200, all in OpenAI's error shape (declared in /openapi.json)
+ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": description} for status,
+                   description in [(400, "a bad request, naming the field"),
+                                   (401, "missing or wrong API key"),
+                                   (403, "a web page of another origin"),
+                                   (404, "no such route or model"), (413, "body too large"),
+                                   (415, "a body that is not JSON"), (421, "a Host not served"),
+                                   (503, "the engine is stopping")]}
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+async def read_body(request: Request, model: type[BaseModel], limit: int):
+    """The body (JSON: the AccessGuard checked its Content-Type) as `model`, read up to `limit`
+    bytes (a body sent without a Content-Length is counted here); its errors go to FastAPI's
+    handler."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise body_too_large(len(body), limit, exact=False)
     try:
-        return model.model_validate_json(await request.body() or b"{}")
+        return model.model_validate_json(bytes(body) or b"{}")
     except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from None
+        errors = exc.errors()
+        lone = lone_surrogate(bytes(body)) if errors[0].get("type") == "json_invalid" else None
+        if lone is not None:
+            where = str(errors[0].get("ctx", {}).get("error", "")).rpartition(" at ")[2]
+            raise APIError(
+                400, f"malformed JSON body: a lone UTF-16 surrogate escape ({lone}"
+                f"{' at ' + where if where else ''}) is half of a character: JSON text must be "
+                "valid Unicode (send the character, or both halves of its surrogate pair)"
+            ) from None
+        raise RequestValidationError(errors) from None
+
+
+def lone_surrogate(body: bytes) -> str | None:
+    """The first surrogate escape of a body that is JSON except for unpaired surrogates (which
+    Python's json accepts and pydantic's parser does not), else None."""
+    try:
+        json.loads(body)
+    except ValueError:
+        return None
+    escapes = list(SURROGATE_ESCAPE.finditer(body))
+    for i, found in enumerate(escapes):
+        high = found.group()[3] in b"89abAB"
+        paired = high and i + 1 < len(escapes) and escapes[i + 1].start() == found.end() and \
+            escapes[i + 1].group()[3] not in b"89abAB"
+        after_high = i > 0 and escapes[i - 1].end() == found.start() and not high
+        if not (paired or after_high):
+            return found.group().decode()
+    return None
 
 
 class APIServer(uvicorn.Server):
@@ -72,10 +126,13 @@ class APIServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def create_app(ports: PortArgs, served_model_name: str, info: EngineInfo,
-               server_info: dict) -> FastAPI:
+def create_app(ports: PortArgs, served_model_name: str, info: EngineInfo, server_info: dict,
+               access: AccessPolicy | None = None, limits: RequestLimits | None = None) -> FastAPI:
     """server_info: what /get_server_info reports besides the scheduler's state (model path, engine
-    arguments, process ids); the launcher fills it in."""
+    arguments, process ids); the launcher fills it in. access, limits: who may ask, and how much
+    (default: anyone on the bound address, and the default limits)."""
+    access = access or AccessPolicy.for_server("127.0.0.1", [], [], None, 16 * 2**20)
+    limits = limits or RequestLimits()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -85,7 +142,9 @@ def create_app(ports: PortArgs, served_model_name: str, info: EngineInfo,
         yield
         client.close()
 
-    app = FastAPI(title="sglang-from-zero", lifespan=lifespan)
+    app = FastAPI(title="sglang-from-zero", lifespan=lifespan, responses=ERROR_RESPONSES)
+    app.add_middleware(AccessGuard, policy=access)
+    app.openapi = lambda: app.openapi_schema or describe_bodies(app)
     created = int(time.time())
 
     def client_of(request: Request) -> EngineClient:
@@ -184,8 +243,12 @@ def create_app(ports: PortArgs, served_model_name: str, info: EngineInfo,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await read_body(request, ChatCompletionRequest)
+        body = await read_body(request, ChatCompletionRequest, access.max_body_bytes)
         check_model(body.model)
+        limits.check_fan_out(1, body.n)
+        # assistant turns are left out: a template may drop part of them (Qwen3's reasoning)
+        limits.check_prompt_bytes([m.as_template_input()["content"].strip() for m in body.messages
+                                   if m.role != "assistant"], "messages")
         return_logprob, top = body.logprob_args()
         params = body.sampling_params(body.max_new_tokens())
         messages = [m.as_template_input() for m in body.messages]
@@ -197,12 +260,16 @@ def create_app(ports: PortArgs, served_model_name: str, info: EngineInfo,
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await read_body(request, CompletionRequest)
+        body = await read_body(request, CompletionRequest, access.max_body_bytes)
         check_model(body.model)
         return_logprob = body.logprobs is not None
         params = body.sampling_params(body.max_new_tokens())
+        prompts = body.prompts()
+        limits.check_fan_out(len(prompts), body.n)
+        for prompt in prompts:
+            limits.check_prompt_bytes([prompt.get("text", "")], "prompt")
         handle = await client_of(request).generate(
-            body.prompts(), params, body.n, return_logprob, body.logprobs or 0,
+            prompts, params, body.n, return_logprob, body.logprobs or 0,
             logprob_start_len=body.logprob_start_len, echo=body.echo)
         builder = CompletionBuilder(served_model_name, len(handle.index), body.n,
                                     body.include_usage, return_logprob, body.continuous_usage,
@@ -211,9 +278,10 @@ def create_app(ports: PortArgs, served_model_name: str, info: EngineInfo,
 
     @app.post("/generate")
     async def generate(request: Request):
-        body = await read_body(request, GenerateRequest)
+        body = await read_body(request, GenerateRequest, access.max_body_bytes)
         if (body.text is None) == (body.input_ids is None):
             raise APIError(400, "give exactly one of text and input_ids", "text")
+        limits.check_prompt_bytes([body.text or ""], "text")
         if body.logprob_start_len >= 0 and not body.return_logprob:
             raise APIError(400, "logprob_start_len needs return_logprob set to true",
                            "logprob_start_len")
@@ -259,3 +327,28 @@ def create_app(ports: PortArgs, served_model_name: str, info: EngineInfo,
         return PLAYGROUND.read_text()
 
     return app
+
+
+def describe_bodies(app: FastAPI) -> dict:
+    """FastAPI's schema, with the body model of each generating route (the handlers read the raw
+    body, so FastAPI cannot see them) and no 422 (a bad request is a 400 here)."""
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in REQUEST_BODIES.items():
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        operation = schema["paths"][path]["post"]
+        operation["requestBody"] = {"required": True, "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        ok = operation["responses"]["200"]
+        ok["description"] = "the response; with stream: true, server-sent events"
+        ok["content"]["text/event-stream"] = {"schema": {
+            "description": "each event's data: a JSON chunk, or [DONE] last"}}
+    for operations in schema["paths"].values():
+        for operation in operations.values():
+            operation["responses"].pop("422", None)
+    for unused in ("HTTPValidationError", "ValidationError"):
+        components.pop(unused, None)
+    app.openapi_schema = schema
+    return schema

@@ -17,10 +17,16 @@
    every child that is still alive, wait, SIGKILL the stubborn ones. A dead child makes the exit
    status 1. Children also watch their parent (process.py), so even a SIGKILLed launcher leaves no
    orphans.
+
+A SIGKILLed launcher cannot remove its ipc folder (/tmp/sglz-*), so each start removes those whose
+launcher is gone. Gone is proved, not guessed from a process id (which may be reused, or belong to
+another PID namespace sharing /tmp): a launcher holds an flock on its folder's owner.lock for its
+whole life, and the kernel releases it when the process ends, however it ends.
 """
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -28,12 +34,14 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from ..server_args import ServerArgs
+from ..server_args import ServerArgs, comma_list
+from .access import AccessPolicy, RequestLimits, max_token_bytes, prompt_bytes_limit
 from .detokenizer_worker import run_detokenizer_worker
 from .messages import PortArgs
 from .scheduler_process import run_scheduler
@@ -41,6 +49,8 @@ from .tokenizer_worker import run_tokenizer_worker
 
 STARTUP_TIMEOUT_S = 600.0  # the first start of a model may convert its weights
 STOP_TIMEOUT_S = 5.0  # per child, after SIGTERM, before SIGKILL
+IPC_PREFIX, OWNER_LOCK = "sglz-", "owner.lock"
+API_KEY_ENV = "SGLANG_API_KEY"  # --api-key's default
 
 
 class LaunchError(RuntimeError):
@@ -52,6 +62,7 @@ class Child:
     name: str
     process: mp.Process
     ready_conn: object
+    started: dict[str, int] = field(default_factory=dict)  # the processes it started: name -> pid
 
 
 @dataclass
@@ -60,6 +71,14 @@ class Launcher:
     children: list[Child] = field(default_factory=list)
     stopping: bool = False
     died: str | None = None  # which child died, and how
+    lock_fd: int | None = None
+
+    def __post_init__(self) -> None:
+        self.lock_fd = hold_ipc_folder(self.ipc_folder)
+
+    @property
+    def ipc_folder(self) -> Path:
+        return Path(self.ports.api_ipc_name.removeprefix("ipc://")).parent
 
     def start(self, name: str, target, *args) -> Child:
         ctx = mp.get_context("spawn")
@@ -78,10 +97,11 @@ class Launcher:
         while time.monotonic() < deadline:
             if child.ready_conn.poll(0.2):
                 try:
-                    status, payload = child.ready_conn.recv()
+                    status, payload, *started = child.ready_conn.recv()
                 except EOFError:
                     break
                 if status == "ready":
+                    child.started = started[0] if started else {}
                     return payload
                 raise LaunchError(f"the {child.name} failed to start:\n{payload}")
             if not child.process.is_alive():
@@ -125,8 +145,51 @@ class Launcher:
                 print(f"warning: the {child.name} ignored SIGTERM; killing it", file=sys.stderr)
                 child.process.kill()
                 child.process.join()
-        folder = Path(self.ports.api_ipc_name.removeprefix("ipc://")).parent
+        shutil.rmtree(self.ipc_folder, ignore_errors=True)
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
+            self.lock_fd = None
+
+    def processes(self) -> dict[str, int]:
+        """name -> pid of every process of the server, the children's own children included."""
+        pids = {"api_server": os.getpid()}
+        for child in self.children:
+            pids[child.name] = child.process.pid
+            pids.update(child.started)
+        return pids
+
+
+def hold_ipc_folder(folder: Path) -> int:
+    """Lock the folder's owner.lock for as long as this process lives (the returned descriptor
+    holds it). The lock file is locked under another name, then renamed: a cleaner never sees an
+    unlocked owner.lock of a live server."""
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".lock-")
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.rename(tmp, folder / OWNER_LOCK)
+    return fd
+
+
+def remove_stale_ipc_folders(base: str | Path | None = None) -> list[Path]:
+    """Remove the ipc folders of launchers that are gone: this user's sglz-* folders whose
+    owner.lock nobody holds. A folder with no owner.lock (from an older version, or a launcher in
+    its first microseconds) is left alone: nothing proves it stale."""
+    removed = []
+    for folder in sorted(Path(base or tempfile.gettempdir()).glob(IPC_PREFIX + "*")):
+        try:
+            if folder.is_symlink() or folder.stat().st_uid != os.getuid():
+                continue
+            fd = os.open(folder / OWNER_LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its launcher is alive
+        finally:
+            os.close(fd)  # after a successful flock, closing releases it: the folder goes anyway
         shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
 
 
 def bind_port(host: str, port: int) -> socket.socket:
@@ -150,6 +213,7 @@ def launch_server(server_args: ServerArgs, verbose: bool = True) -> int:
 
     # SystemExit: the `finally` below stops the children
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    remove_stale_ipc_folders()
     launcher = Launcher()
     host = server_args.host
     try:
@@ -164,16 +228,20 @@ def launch_server(server_args: ServerArgs, verbose: bool = True) -> int:
         launcher.wait_ready(detokenizer)
 
         name = server_args.served_model_name or model_path
+        api_key = server_args.api_key or os.environ.get(API_KEY_ENV) or None
         server_info = {
             "model_path": model_path, "server_args": {
-                f.name: str(getattr(server_args, f.name))
-                for f in fields(server_args)
-            }, "processes": {
-                "api_server": os.getpid(), **{c.name: c.process.pid
-                                              for c in launcher.children}
-            }
+                f.name: "<set>" if f.name == "api_key" and api_key else str(
+                    getattr(server_args, f.name)) for f in fields(server_args)
+            }, "processes": launcher.processes()
         }
-        app = create_app(launcher.ports, name, info, server_info)
+        access = AccessPolicy.for_server(host, comma_list(server_args.allowed_hosts),
+                                         comma_list(server_args.allowed_origins), api_key,
+                                         server_args.max_request_body_bytes)
+        token_bytes = max_token_bytes(model_path)
+        limits = RequestLimits(server_args.max_requests_per_call, prompt_bytes_limit(
+            min(info.max_context_len, info.max_total_tokens), token_bytes), token_bytes)
+        app = create_app(launcher.ports, name, info, server_info, access, limits)
         server = APIServer(
             uvicorn.Config(app, log_level=server_args.log_level, timeout_graceful_shutdown=2))
 
@@ -185,8 +253,10 @@ def launch_server(server_args: ServerArgs, verbose: bool = True) -> int:
 
         launcher.watch(on_death)
         url = f"http://{host}:{port}"
+        key_header = f'-H "Authorization: Bearer ${API_KEY_ENV}" ' if api_key else ""
         print(f"serving {name} at {url} (playground: {url}/)\n"
-              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+              f"  curl {url}/v1/chat/completions {key_header}"
+              "-H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{name}\", "
               f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
               flush=True)
