@@ -7,6 +7,9 @@
     python -m common.exercises solution N TASK     the reference body
     python -m common.exercises reset N [TASK ...]  put the reference body back into your copy
 
+Bug hunts (common/bug_hunts.py): `bugs [N]` lists them, `bug N [ID]` plants one in your copy and
+tells its symptom, `symptom N ID` shows it; check, hint, solution and reset take a bug's ID too.
+
 TASK is `6.match_prefix` or just `match_prefix`. Your copy (exercises/<stage>/, git-ignored) is the
 whole stage package, so your functions run inside the stage's real engine; the course's stageN_x/
 folders are never touched.
@@ -26,6 +29,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+from common import bug_hunts
 from common import exercise_workspace as ws
 from common.exercise_tasks import BY_ID, TASKS, Task
 from common.exercise_workspace import Workspace, make_copy, stub_tasks
@@ -91,6 +95,15 @@ def rel(path: Path) -> str:
 def in_order(ids: set[str]) -> list[str]:
     """Task ids in the catalogue's order (the order to write them in)."""
     return [t.id for t in TASKS if t.id in ids]
+
+
+def bug_ids(args) -> list[str] | None:
+    """The bug ids named (None: these are tasks); bugs and tasks in one command are refused."""
+    names = getattr(args, "tasks", None) or []
+    bugs = [n for n in names if bug_hunts.is_bug_id(n, args.stage)]
+    if bugs and len(bugs) != len(names):
+        raise ExerciseError("name tasks or bugs, not both in one command")
+    return bugs or None
 
 
 def chosen(args) -> list[Task]:
@@ -189,6 +202,10 @@ def cmd_start(args) -> int:
 
 def cmd_check(args) -> int:
     w = workspace(args)
+    named, state = bug_ids(args), w.state()
+    if named or (not args.tasks and not args.reference and w.exists and not state["started"]
+                 and state.get(bug_hunts.STATE_KEY)):
+        return bug_hunts.cmd_check(args, workspace, named or [])
     if not args.reference and not w.exists:
         raise ExerciseError(f"no workspace for stage {args.stage}: run `python -m common.exercises "
                             f"start {args.stage}` (or check --reference: the course's own code)")
@@ -229,6 +246,8 @@ def cmd_check(args) -> int:
 
 
 def cmd_hint(args) -> int:
+    if bug_ids(args):
+        return bug_hunts.cmd_hint(args, workspace)
     tests, folder = task_tests(args.stage), stage_of(args.stage).name
     for t in chosen(args):
         print(f"{t.id}: {t.goal}\n  in {folder}/{t.file}; why: {folder}/README.md, '{t.readme}'")
@@ -249,6 +268,8 @@ def cmd_hint(args) -> int:
 
 
 def cmd_solution(args) -> int:
+    if bug_ids(args):
+        return bug_hunts.cmd_solution(args)
     stage = stage_of(args.stage)
     for t in chosen(args):
         reference = (stage.path / t.file).read_text(encoding="utf-8")
@@ -262,6 +283,11 @@ def cmd_reset(args) -> int:
     w = workspace(args)
     if not w.exists:
         raise ExerciseError(f"no workspace for stage {args.stage}: nothing to reset")
+    named = bug_ids(args)
+    if named or not args.tasks:  # every planted bug when nothing is named
+        bug_hunts.cmd_reset(args, workspace, named or [])
+        if named:
+            return 0
     state = w.state()
     for t in chosen(args) if args.tasks else [BY_ID[i] for i in state["started"]]:
         path = w.pkg / t.file
@@ -298,7 +324,11 @@ COMMANDS = [("start", cmd_start, "make your copy of a stage, the tasks' bodies s
             ("check", cmd_check, "run the tasks' tests on your copy"),
             ("hint", cmd_hint, "what a task's functions receive, return and keep"),
             ("solution", cmd_solution, "print the reference functions"),
-            ("reset", cmd_reset, "put the reference functions back into your copy")]
+            ("reset", cmd_reset, "put the reference functions back into your copy"),
+            ("bug", lambda a: bug_hunts.cmd_bug(a, workspace, make_copy),
+             "plant a bug in your copy; it tells the symptom"),
+            ("symptom", lambda a: bug_hunts.cmd_symptom(a, workspace),
+             "show a planted bug's symptom on your copy")]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -321,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", help="machine-readable results, for grading")
     check.add_argument("--reference", action="store_true", help="test the course's own stage")
     check.add_argument("--verbose", "-v", action="store_true", help="show pytest's own output")
+    p = sub.add_parser("bugs", help="every bug hunt: id, symptom, status")
+    p.add_argument("stage", type=int, nargs="?")
+    p.set_defaults(fn=lambda a: bug_hunts.cmd_bugs(a, workspace))
     p = sub.add_parser("readme", help="print a stage README's Exercises section")
     p.add_argument("stage", type=int)
     p.set_defaults(fn=cmd_readme)
@@ -336,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         args.tasks += extra
     try:
         return args.fn(args)
-    except (ExerciseError, ws.SourceError) as e:
+    except (ExerciseError, ws.SourceError, bug_hunts.BugHuntError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `... | head`: the reader left, say nothing more
