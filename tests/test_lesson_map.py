@@ -135,3 +135,11 @@ def test_no_stage_file_differs_from_the_stage_before_only_by_its_name() -> None:
     found = stages.find_stages(REPO)
     noise = {b.name: stage_parts.name_only_differences(a, b) for a, b in zip(found, found[1:])}
     assert not any(noise.values()), noise
+
+
+@pytest.mark.parametrize("number", CHAPTERS)
+def test_the_stage_readme_is_a_lesson_not_a_log(number: int) -> None:
+    """At most 350 lines: benchmark history lives in PERFORMANCE.md, not in the lesson."""
+    stage = stages.resolve_stage(stages.find_stages(REPO), str(number))
+    lines = (stage.path / "README.md").read_text().count("\n")
+    assert lines <= 350, f"{stage.name}/README.md has {lines} lines"
