@@ -1,6 +1,6 @@
 """Stage 4's CPU attention kernels (`attention/cpu_kernels.cpp`) on their own: one layer's call, both dtypes.
 
-    python -m common.bench cpu-attention [--stage stage4_scheduler] [--batch 50] [--layers 30] [--repeats 7]
+    python -m common.bench cpu-attention [--stage stage5_cudagraph] [--batch 50] [--layers 30] [--repeats 7]
 
 SmolLM2-135M's attention shape (9 query heads, 3 K/V heads, head_dim 64), page size 16, every page of the pool
 shuffled (as after churn). Decode: `--batch` requests with 40-259 keys each (the offline workload's range: prompts
@@ -94,8 +94,8 @@ def main(args) -> dict:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("cpu-attention", help="stage 4: the cpu attention backend's decode and prefill kernels")
-    p.add_argument("--stage", default="stage4_scheduler")
+    p = sub.add_parser("cpu-attention", help="stage 5: the cpu attention backend's decode and prefill kernels")
+    p.add_argument("--stage", default="stage5_cudagraph")
     p.add_argument("--batch", type=int, default=50)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--repeats", type=int, default=7)

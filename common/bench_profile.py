@@ -103,7 +103,8 @@ def bench_profile(args) -> None:
     stage = importlib.import_module(args.stage)
     llm = stage.LLM(path, dtype=args.dtype, attention_backend=args.attention_backend,
                     max_running_requests=max(args.num_requests, 1), verbose=False, **options)
-    header(f"profile: {args.stage} {args.dtype} {args.attention_backend} backend {options or ''}, {args.workload} "
+    backend = llm.engine.attn_backend.name
+    header(f"profile: {args.stage} {args.dtype} {backend} backend {options or ''}, {args.workload} "
            f"({len(work.prompts)} requests, {work.output_tokens} output tokens)")
     run_stage(args.stage, llm, warm_up(work))
     totals = instrument(args.stage, llm)
@@ -151,8 +152,9 @@ def add_parser(sub) -> None:
     p.add_argument("--stage", default="stage4_scheduler")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--workload", default="offline", choices=["offline", "batch1"])
-    p.add_argument("--attention-backend", default="cpu", choices=["torch", "cpu"],
-                   help="cpu: prefill and decode read the paged cache in place (C++ kernels); torch: gather, then SDPA")
+    p.add_argument("--attention-backend", default=None, choices=["torch", "cpu"],
+                   help="default: the stage's own (stage 4: torch; stage 5 on: cpu, C++ kernels that read the paged "
+                        "cache in place); torch: gather, then SDPA")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--option", nargs="*", default=[], help="engine options, e.g. cpu_graph=true")

@@ -148,7 +148,7 @@ TASKS = [
     # ------------------------------------------------ stage 4: pages, admission, preemption
     Task("4.page_allocation", "scheduler/cache_manager.py",
          goal="hand out KV pages and map positions to pool slots",
-         readme="Stage 4 — a scheduler, continuous batching and a paged KV cache",
+         readme="4.1 Pages: the KV pool, the page table, the cache manager (core)",
          symbols={"CacheManager.grow":
                    "receives a request holding a page-table row and a token count; gives it pages "
                    "from free_pages (pop()) until it can hold num_tokens, records them in "
@@ -160,7 +160,7 @@ TASKS = [
                    "page_size at offset p % page_size."}),
     Task("4.kv_indices", "attention/torch_backend.py",
          goal="read each request's keys through the page table",
-         readme="Stage 4 — a scheduler, continuous batching and a paged KV cache",
+         readme="4.2 Attention that reads K/V through the page table (core)",
          needs=("4.page_allocation",),
          symbols={"build_kv_indices":
                    "receives a ForwardBatch; returns (kv_indptr [B+1] host list of prefix sums of "
@@ -169,7 +169,7 @@ TASKS = [
                    "page_table[req_rows[b], p // page_size] * page_size + p % page_size."}),
     Task("4.prefill_adder", "scheduler/prefill.py",
          goal="admit waiting requests into a prefill batch within token and page budgets",
-         readme="The loop (`scheduler/scheduler.py`)",
+         readme="4.4 Admission: prefill batches, chunked prefill, decode and preemption (core)",
          needs=("4.page_allocation",),
          symbols={"PrefillAdder.build":
                    "receives the chunked request (or None), the waiting requests in priority "
@@ -182,7 +182,7 @@ TASKS = [
                    "acquire_row, RUNNING, grow."}),
     Task("4.preemption", "scheduler/decode.py",
          goal="give every running request its next slot, preempting when the pool is dry",
-         readme="The loop (`scheduler/scheduler.py`)",
+         readme="4.4 Admission: prefill batches, chunked prefill, decode and preemption (core)",
          needs=("4.page_allocation", "4.kv_indices", "4.prefill_adder"),
          symbols={"DecodeManager.build":
                    "receives victim_order (a sort key: the smallest is evicted first); returns "
@@ -193,7 +193,7 @@ TASKS = [
     # ------------------------------------------------ stage 5: CUDA graphs, overlap
     Task("5.graph_buckets", "graph.py",
          goal="choose the batch sizes to capture and the bucket a batch replays in",
-         readme="CUDA graphs (`graph.py`)",
+         readme="5.1 CUDA graphs (core)",
          symbols={"bucket_sizes":
                    "receives max_bs; returns the batch sizes to capture: 1, 2, 4, 8, then every "
                    "multiple of 8 up to max_bs, and max_bs itself always last. max_bs < 1: "
@@ -203,7 +203,7 @@ TASKS = [
                    "holds it. Larger than the last bucket: ValueError."}),
     Task("5.overlap_results", "scheduler/output_processor.py",
          goal="read a step's tokens one step late: placeholders, stops, deferred frees",
-         readme="Overlap scheduling",
+         readme="5.2 Future tokens: a step split into launch and results (core)",
          symbols={"process_batch_result":
                    "receives the scheduler and a launched step (batch, sampled: (req, index in "
                    "output_ids) pairs, pending) and returns its StepOutputs. pending.wait() gives "
@@ -214,7 +214,7 @@ TASKS = [
                    "inflight batch holds."}),
     Task("5.graph_padding", "graph.py",
          goal="copy a batch into the graph's static buffers and pad it to its bucket",
-         readme="CUDA graphs (`graph.py`)",
+         readme="5.1 CUDA graphs (core)",
          needs=("5.graph_buckets", "5.overlap_results"),
          symbols={"GraphRunner.load_inputs":
                    "receives a decode ForwardBatch of B requests; returns the bucket bs it replays "

@@ -14,9 +14,6 @@ slots). Attention reads keys through the page table.
 
 from __future__ import annotations
 
-import ctypes
-import sys
-
 import torch
 
 
@@ -26,8 +23,8 @@ class PagedKVPool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str):
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        self.k = zeros_in_huge_pages(shape, dtype, device)  # [L, num_pages, page_size, KVH, D]
-        self.v = zeros_in_huge_pages(shape, dtype, device)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, num_pages, page_size, KVH, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_pages, self.page_size = num_pages, page_size
 
     @staticmethod
@@ -45,24 +42,6 @@ class PagedKVPool:
         [N]."""
         self.k[layer_id].view(-1, *k.shape[1:])[out_cache_loc] = k
         self.v[layer_id].view(-1, *v.shape[1:])[out_cache_loc] = v
-
-
-def zeros_in_huge_pages(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """torch.zeros, but on a Linux CPU the memory is first advised to be backed by 2 MB pages
-    (madvise MADV_HUGEPAGE, before anything touches it). Decode reads every request's pages, which
-    lie anywhere in the pool: with 4 KB pages each of them costs address-translation misses, and
-    2 MB pages cut those (measured: the cpu backend's decode attention ~7% faster). Elsewhere, or
-    where the kernel declines, it is plain zeros."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    if t.device.type == "cpu" and sys.platform == "linux":
-        huge = 1 << 21
-        start = (t.data_ptr() + huge - 1) // huge * huge  # the whole 2 MB pages inside t
-        end = (t.data_ptr() + t.numel() * t.element_size()) // huge * huge
-        if end > start:
-            MADV_HUGEPAGE = 14
-            ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
-                                      MADV_HUGEPAGE)
-    return t.zero_()
 
 
 class PageTable:

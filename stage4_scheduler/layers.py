@@ -120,51 +120,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-# On a CPU, torch hands a float32 matrix product to MKL, whose sgemm and sgemv take a slow generic
-# path on some CPUs (measured on an AMD EPYC: 2-3x slower than oneDNN's AVX-512 kernels, for one
-# row as for 512). oneDNN, which torch already uses for bfloat16, has fast kernels for both dtypes.
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if torch.backends.mkldnn.is_available() else ()
-# oneDNN computes fastest from a weight laid out in its own blocked format, chosen for an expected
-# number of rows (any count works; 64 suits batch-1 decode and a full offline batch alike).
-PACK_ROWS_HINT = 64
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b) for x [N, in], W [out, in] (plain, or packed by pack_weight): on oneDNN on a
-    CPU, else F.linear."""
-    if weight.is_mkldnn or (x.device.type == "cpu" and x.dtype in ONEDNN_DTYPES and x.dim() == 2):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # [N, out]
-    return F.linear(x, weight, bias)  # [N, out]
-
-
-def can_pack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype in ONEDNN_DTYPES and weight.dim() == 2
-
-
-def pack_weight(weight: torch.Tensor) -> nn.Parameter:
-    """A [out, in] weight reordered, once, into oneDNN's blocked layout. The result is an opaque
-    tensor (layout torch._mkldnn) that only oneDNN's linear reads: the same values and products,
-    without the kernel re-laying the plain matrix out on every call."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
-    return nn.Parameter(packed, requires_grad=False)
-
-
-def pack_linear_weights(model: nn.Module) -> int:
-    """After loading, on a CPU: pack every Linear's weight in place of the plain one (the plain
-    storage is freed), and give a tied LM head a packed copy beside the embedding, which lookups
-    still read plainly. Returns the number of weights packed."""
-    packed = 0
-    for module in model.modules():
-        if isinstance(module, Linear) and can_pack(module.weight):
-            module.weight = pack_weight(module.weight)
-            packed += 1
-    head = getattr(model, "lm_head", None)
-    if isinstance(head, Embedding) and can_pack(head.weight):
-        head.packed_weight = pack_weight(head.weight).data  # a buffer, not a second parameter
-        packed += 1
-    return packed
-
-
 def copy_into(dst: torch.Tensor, loaded: torch.Tensor) -> None:
     """Copy a checkpoint tensor into (a slice of) a parameter, converting dtype and device on the
     way."""
@@ -200,7 +155,7 @@ class Linear(nn.Module):
         self.bias = _param(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)  # [N, out]
+        return F.linear(x, self.weight, self.bias)  # [N, out]
 
 
 class MergedLinear(Linear):
@@ -248,12 +203,6 @@ class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         self.weight = _param(num_embeddings, embedding_dim)
-        # the LM head's copy of weight, when tied and packed (pack_linear_weights)
-        self.register_buffer("packed_weight", None, persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)  # [N, hidden]
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The tied LM head: x [B, hidden] -> x E^T [B, vocab]."""
-        return linear(x, self.weight if self.packed_weight is None else self.packed_weight)

@@ -28,8 +28,8 @@ import torch
 from .attention import BACKENDS
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
-# On a CPU a token costs less in a larger prefill step (oneDNN's matmuls), and a prompt cut in fewer
-# chunks puts fewer small decode steps between them (README, "Chunked prefill on a CPU").
+# On a CPU a token costs less in a larger prefill step (larger matmuls), and a prompt cut in fewer
+# chunks puts fewer small decode steps between them (stage 4 README, 4.4).
 CPU_CHUNKED_PREFILL_SIZE, CUDA_CHUNKED_PREFILL_SIZE = 2048, 512
 
 
@@ -49,7 +49,8 @@ class ServerArgs:
         "float32", "weights and KV cache dtype, converted at load; auto = the "
         "checkpoint's own", choices=DTYPES)
     attention_backend: str | None = option(
-        None, "default: triton on CUDA, torch on CPU (cpu: C++ decode kernels, built on first use)",
+        None, "default: triton on CUDA; on a CPU cpu (C++ kernels, built on first use), "
+        "or torch if they cannot build",
         choices=BACKENDS)
 
     # Memory: the KV pool (engine.plan_kv_pool)
@@ -107,7 +108,7 @@ class ServerArgs:
             choices = f.metadata.get("choices")
             if choices and isinstance(value, str) and value not in choices:
                 raise ValueError(f"unknown {f.name} {value!r}; choose one of {', '.join(choices)}")
-        # None: the device's own (stage 4 README, "Chunked prefill on a CPU")
+        # None: the device's own (stage 4 README, 4.4)
         if self.chunked_prefill_size is None:
             on_cpu = self.device.split(":")[0] == "cpu"
             self.chunked_prefill_size = (CPU_CHUNKED_PREFILL_SIZE if on_cpu

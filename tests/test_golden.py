@@ -74,7 +74,7 @@ def test_stages_before_a_checkpoints_first_stage_still_refuse_it(model: str):
             stage.LLM(str(resolve_model(model)), device="cpu", dtype="float32")
 
 
-BF16_STAGES = [s for s in STAGES if stage_number(s) >= 4]  # the bfloat16 CPU path (oneDNN's kernels) from stage 4
+BF16_STAGES = [s for s in STAGES if stage_number(s) >= 4]  # the bfloat16 CPU path, from stage 4
 
 
 @pytest.mark.parametrize("stage_name", BF16_STAGES)
@@ -119,24 +119,31 @@ def test_golden_smollm2_with_compiled_decode(backend: str):
     assert llm.engine.num_graph_replays == decode_steps and llm.engine.num_eager_forwards == len(results)
 
 
-CPU_ATTENTION_STAGES = [s for s in STAGES if stage_number(s) >= 4]  # the "cpu" attention backend, from stage 4
+CPU_ATTENTION_STAGES = [s for s in STAGES if stage_number(s) >= 5]  # the "cpu" attention backend, from stage 5
 
 
 @pytest.mark.parametrize("stage_name", CPU_ATTENTION_STAGES)
-def test_golden_smollm2_with_cpu_attention_backend(stage_name: str):
-    """The "cpu" backend's decode reads the paged cache in place (C++ kernels, another summation order than SDPA's):
-    float32 still gives the reference's tokens, and in stage 4 bfloat16 stays within the bfloat16 tie rule."""
+def test_golden_smollm2_with_each_cpu_attention_backend(stage_name: str):
+    """From stage 5 on a CPU's default attention is the "cpu" backend (C++ kernels that read the paged cache in
+    place, another summation order than SDPA's): named explicitly it gives the float32 reference's tokens, and so
+    does the torch backend, no longer the default but still the reference; in stage 5 both stay within the bfloat16
+    tie rule too."""
     stage = importlib.import_module(stage_name)
-    if "cpu" not in importlib.import_module(f"{stage_name}.attention").available_backends("cpu"):
-        pytest.skip("the cpu attention backend did not build here (no C++ compiler?)")
-    for dtype in ("float32", "bfloat16") if stage_number(stage_name) == 4 else ("float32",):
-        golden = load_golden("smollm2-135m-instruct", *([] if dtype == "float32" else [dtype]))
-        llm = stage.LLM(str(resolve_model("smollm2-135m-instruct")), device="cpu", dtype=dtype, verbose=False,
-                        attention_backend="cpu")
-        assert llm.engine.attn_backend.name == "cpu"
-        results = llm.generate([c["prompt"] for c in golden["cases"]],
-                               stage.SamplingParams(max_new_tokens=golden["max_new_tokens"], temperature=0.0))
-        problems = failures(results, golden)
-        assert not problems, f"{stage_name}, cpu attention backend, {dtype}:\n" + "\n".join(problems)
-        if hasattr(llm, "close"):
-            llm.close()
+    backends = ["torch"]
+    if "cpu" in importlib.import_module(f"{stage_name}.attention").available_backends("cpu"):
+        backends.insert(0, "cpu")
+        assert importlib.import_module(f"{stage_name}.attention").default_backend("cpu") == "cpu"
+    for backend in backends:
+        for dtype in ("float32", "bfloat16") if stage_number(stage_name) == 5 else ("float32",):
+            golden = load_golden("smollm2-135m-instruct", *([] if dtype == "float32" else [dtype]))
+            llm = stage.LLM(str(resolve_model("smollm2-135m-instruct")), device="cpu", dtype=dtype, verbose=False,
+                            attention_backend=backend)
+            assert llm.engine.attn_backend.name == backend
+            results = llm.generate([c["prompt"] for c in golden["cases"]],
+                                   stage.SamplingParams(max_new_tokens=golden["max_new_tokens"], temperature=0.0))
+            problems = failures(results, golden)
+            assert not problems, f"{stage_name}, {backend} attention backend, {dtype}:\n" + "\n".join(problems)
+            if hasattr(llm, "close"):
+                llm.close()
+    if backends == ["torch"]:
+        pytest.skip("the cpu attention backend did not build here (no C++ compiler?): torch checked alone")

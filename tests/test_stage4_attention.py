@@ -1,6 +1,7 @@
 """Stage 4's paged attention backends: the torch reference against a naive formula on contiguous per-request tensors
 and its varlen layout against the padded form on random page layouts, our triton kernels against torch (on a CPU
-through Triton's interpreter), flash_attn against torch on a GPU, and create_backend's choices.
+through Triton's interpreter), flash_attn against torch on a GPU, and create_backend's choices. (Stage 5's C++ cpu
+backend is checked against the same batches in test_stage5_cpu_attention.py.)
 
 Every batch is built the way the engine lays it out: a pool of random pages (garbage everywhere a request does not
 own), each request's pages drawn from a shuffled list (non-contiguous, out of order), page-table rows shuffled too,
@@ -485,91 +486,16 @@ def test_triton_backend_runs_on_cpu_in_a_fresh_process():
     assert "ok TritonBackend" in res.stdout
 
 
-# ---------------------------------------------------------------- the cpu backend's C++ decode against torch
-
-
-@pytest.fixture(scope="module")
-def cpu_backend():
-    """The cpu backend (its kernels built on first use), or a clean skip where they cannot build."""
-    if "cpu" not in available_backends("cpu"):
-        from stage4_scheduler.attention import _unavailable_reason
-
-        pytest.skip(_unavailable_reason("cpu", torch.device("cpu")))
-    return create_backend("cpu", "cpu")
-
-
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("group, KVH, D, page_size, splits, lens", PAGED_DECODE_CASES,
-                         ids=[f"group{c[0]}-d{c[2]}-page{c[3]}-b{len(c[5])}" for c in PAGED_DECODE_CASES])
-def test_cpu_decode_matches_torch(cpu_backend, group, KVH, D, page_size, splits, lens, dtype, tol):
-    # The Triton cases' shapes: page boundaries, 1-key requests, a strided pool (page_major) and a strided q; a
-    # seq_len 0 row (a graph's padding) gives zeros instead of reading its page-table row.
-    H = group * KVH
-    d = paged_batch([(max(n, 1) - 1, 1) for n in lens], H, KVH, D, page_size, phase="decode", dtype=dtype,
-                    page_major=(group % 2 == 1), q_view=(group == 2))
-    out = run(cpu_backend, d, D**-0.5)
-    assert d["fb"].attn_metadata is None  # decode needs no host-side layout: the kernels read the page table
-    ref = run(TorchBackend(), d, D**-0.5)
-    assert out.shape == ref.shape and out.dtype == dtype
-    assert max_err(out, ref) < tol
-    fb = d["fb"]
-    fb.seq_lens = torch.tensor(lens, dtype=torch.int32)
-    live = [i for i, n in enumerate(lens) if n > 0]
-    padded = cpu_backend.decode(d["q"], d["k_cache"], d["v_cache"], fb, D**-0.5)
-    assert torch.equal(padded[live], out[live]) and not padded[[i for i in range(len(lens)) if lens[i] == 0]].any()
-
-
-# (query heads, K/V heads, head_dim, page_size): head dims 64 and 128 take the AVX-512 pass where the CPU has it, 16
-# and 80 the portable one; 9 query heads (SmolLM2's) make items of 7 tokens, 32 of 2.
-CPU_EXTEND_CASES = [(6, 2, 16, 4), (9, 3, 64, 16), (32, 8, 128, 16), (4, 4, 80, 1), (2, 1, 64, 4)]
-
-
-# bf16: the two round their float32 results to bfloat16 apart, one step there (2^-6 for outputs in [2, 4))
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("H, KVH, D, page_size", CPU_EXTEND_CASES, ids=[f"h{c[0]}-kv{c[1]}-d{c[2]}-page{c[3]}"
-                                                                           for c in CPU_EXTEND_CASES])
-def test_cpu_extend_matches_torch(cpu_backend, H, KVH, D, page_size, dtype, tol):
-    # Fresh prompts, cached prefixes that end mid-page, one new token after a long prefix, and a 70-token prompt
-    # (several items and key blocks, the causal edge inside a block): every query sees exactly keys 0 .. itself.
-    reqs = extend_reqs(page_size) + [(0, 70), (5, 64)]
-    d = paged_batch(reqs, H, KVH, D, page_size, dtype=dtype, page_major=(H == 9), q_view=(H == 6))
-    out = run(cpu_backend, d, D**-0.5)
-    assert d["fb"].attn_metadata is None  # no host-side layout: the kernel reads the page table
-    ref = run(TorchBackend(), d, D**-0.5)
-    assert out.shape == ref.shape and out.dtype == dtype
-    assert max_err(out, ref) < tol
-    if dtype == torch.float32:  # and against the formula itself, in float64
-        cu = d["fb"].cu_seqlens.tolist()
-        for b in range(len(reqs)):
-            want = naive_attention(d["q"][cu[b] : cu[b + 1]], d["k_full"][b], d["v_full"][b], D**-0.5)
-            assert max_err(out[cu[b] : cu[b + 1]], want) < tol
-
-
-def test_cpu_extend_refuses_inconsistent_lengths(cpu_backend):
-    d = paged_batch(extend_reqs(4), 6, 2, 16, 4)
-    d["fb"].seq_lens = torch.ones_like(d["fb"].seq_lens)  # fewer keys than new tokens
-    with pytest.raises(RuntimeError, match="seq_len below its new tokens"):
-        run(cpu_backend, d, 0.25)
-
-
-def test_cpu_backend_refuses_what_its_kernels_cannot_read(cpu_backend):
-    d = paged_batch(decode_reqs(4), 4, 2, 16, 4, phase="decode")
-    fb = d["fb"]
-    fb.page_table = fb.page_table.long()
-    with pytest.raises(RuntimeError, match="int32"):
-        run(cpu_backend, d, 0.25)
-    with pytest.raises(ValueError, match="kernels run on a CPU, got meta"):
-        create_backend("cpu", "meta")
-
-
 # ---------------------------------------------------------------- choosing a backend; flash_attn's limits
 
 
 def test_create_backend_choices_and_errors():
-    assert BACKENDS == ("torch", "cpu", "triton", "flash_attn")
+    assert BACKENDS == ("torch", "triton", "flash_attn")  # stage 4 has no C++: the cpu backend is stage 5's
     assert default_backend("cpu") == "torch"
     assert create_backend(None, "cpu").name == "torch"
     assert "torch" in available_backends("cpu") and "flash_attn" not in available_backends("cpu")
+    with pytest.raises(ValueError, match="unknown attention backend 'cpu'"):
+        create_backend("cpu", "cpu")
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
         create_backend("nope", "cpu")
     with pytest.raises(ValueError, match=r"flash_attn .*available here: torch"):

@@ -6,9 +6,9 @@
   CUDA; on a CPU it runs in Triton's interpreter.
 - "flash_attn": the flash-attention 2 library (flash_attn_backend.py), if installed. CUDA only.
 
-The triton and flash_attn modules are imported only when asked for, so `import stage3_weights` never
-imports triton (slow to import, and on a CPU its interpreter mode must be chosen before the kernels
-are defined).
+The triton and flash_attn modules are imported only when asked for, so importing the package
+never imports triton (slow to import, and on a CPU its interpreter mode must be chosen before the
+kernels are defined).
 """
 
 from __future__ import annotations

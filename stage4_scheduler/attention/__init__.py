@@ -2,13 +2,11 @@
 
 - "torch": plain PyTorch (torch_backend.py). Runs anywhere; the reference the others are tested
   against.
-- "cpu": the torch backend's prefill, and a decode that reads the paged cache in place with C++
-  kernels of our own (cpu_backend.py, cpu_kernels.cpp), built on first use. CPU only.
 - "triton": our own kernels (triton_kernels.py, launched by triton_backend.py). The default on
   CUDA; on a CPU it runs in Triton's interpreter.
 - "flash_attn": the flash-attention 2 library (flash_attn_backend.py), if installed. CUDA only.
 
-The triton and flash_attn modules are imported only when asked for, so `import stage4_scheduler`
+The triton and flash_attn modules are imported only when asked for, so importing the package
 never imports triton (slow to import, and on a CPU its interpreter mode must be chosen before the
 kernels are defined).
 """
@@ -22,7 +20,7 @@ import torch
 from .base import AttentionBackend, ForwardBatch
 from .torch_backend import TorchBackend
 
-BACKENDS = ("torch", "cpu", "triton", "flash_attn")
+BACKENDS = ("torch", "triton", "flash_attn")
 
 __all__ = ["AttentionBackend", "ForwardBatch", "BACKENDS", "available_backends", "default_backend",
            "create_backend"]
@@ -31,16 +29,6 @@ __all__ = ["AttentionBackend", "ForwardBatch", "BACKENDS", "available_backends",
 def _unavailable_reason(name: str, device: torch.device) -> str | None:
     """None if backend `name` can run on `device`, else a sentence saying why not."""
     if name == "torch":
-        return None
-    if name == "cpu":
-        if device.type != "cpu":
-            return f"the cpu backend's kernels run on a CPU, got {device.type}"
-        from .cpu_backend import load_kernels
-
-        try:
-            load_kernels()
-        except RuntimeError as e:
-            return str(e)
         return None
     if name == "triton":
         if importlib.util.find_spec("triton") is None:
@@ -101,10 +89,6 @@ def create_backend(name: str | None, device: torch.device | str) -> AttentionBac
         raise ValueError(f"{reason}; available here: {', '.join(available_backends(device))}")
     if name == "torch":
         return TorchBackend()
-    if name == "cpu":
-        from .cpu_backend import CpuBackend
-
-        return CpuBackend()
     if name == "triton":
         from .triton_backend import TritonBackend
 

@@ -150,5 +150,4 @@ class LlamaForCausalLM(nn.Module):
         # Sampling reads float32 logits whatever the weights' dtype (as transformers' generate
         # does): a bfloat16 logit has 8 bits of mantissa, too few to tell close candidates apart in
         # a softmax.
-        head = self.lm_head
-        return (head.logits(x) if isinstance(head, Embedding) else head(x)).float()  # [B, vocab]
+        return F.linear(x, self.lm_head.weight).float()  # [B, vocab]

@@ -2,20 +2,21 @@
 
 - "torch": plain PyTorch (torch_backend.py). Runs anywhere; the reference the others are tested
   against.
-- "cpu": the torch backend's prefill, and a decode that reads the paged cache in place with C++
-  kernels of our own (cpu_backend.py, cpu_kernels.cpp), built on first use. CPU only.
+- "cpu": prefill and decode that read the paged cache in place, in C++ kernels of our own
+  (cpu_backend.py, cpu_kernels.cpp), built on first use. CPU only; the default there.
 - "triton": our own kernels (triton_kernels.py, launched by triton_backend.py). The default on
   CUDA; on a CPU it runs in Triton's interpreter.
 - "flash_attn": the flash-attention 2 library (flash_attn_backend.py), if installed. CUDA only.
 
-The triton and flash_attn modules are imported only when asked for, so `import stage7_tp` never
-imports triton (slow to import, and on a CPU its interpreter mode must be chosen before the kernels
-are defined).
+The triton and flash_attn modules are imported only when asked for, so importing the package
+never imports triton (slow to import, and on a CPU its interpreter mode must be chosen before the
+kernels are defined).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import torch
 
@@ -81,12 +82,22 @@ def available_backends(device: torch.device | str) -> list[str]:
 
 
 def default_backend(device: torch.device | str) -> str:
-    """Our triton kernels on CUDA; on a CPU the interpreter is far too slow for a default, so
-    torch."""
+    """The fast path of the device: our triton kernels on CUDA; on a CPU our C++ kernels (built on
+    first use, saying so), or torch where they cannot build (said once, with the reason)."""
     device = torch.device(device)
     if device.type == "cuda" and _unavailable_reason("triton", device) is None:
         return "triton"
+    if device.type == "cpu":
+        reason = _unavailable_reason("cpu", device)
+        if reason is None:
+            return "cpu"
+        if not _fallback_said:
+            _fallback_said.append(reason)
+            print(f"[attention: {reason}; using the torch backend instead]", file=sys.stderr)
     return "torch"
+
+
+_fallback_said: list[str] = []  # the CPU fallback's reason, printed once per process
 
 
 def create_backend(name: str | None, device: torch.device | str) -> AttentionBackend:

@@ -19,14 +19,16 @@ read. One call covers the whole batch's prompts: the torch backend calls SDPA on
 layer (on a 2-core CPU, 2-3x slower than this pass for prompts of 32-256 tokens). It reads
 `seq_lens` and the page table from tensors, so the same call works under stage 5's graphs.
 
-Building needs a C++ compiler (g++ or clang) and takes ~30 s once; the result is cached (torch's
-extension cache, ~/.cache/torch_extensions). Without a compiler the backend is unavailable and
-says why; "torch" is the fallback and the reference this backend is tested against.
+It is the default attention on a CPU. Building needs a C++ compiler (g++ or clang) and takes ~30 s
+once, announced on stderr; the result is cached (torch's extension cache,
+~/.cache/torch_extensions). Without a compiler the backend is unavailable and says why, and the
+default falls back to "torch" (saying so once), the reference this backend is tested against.
 """
 
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 
 import torch
@@ -49,13 +51,36 @@ def build_extension(source: Path, name: str, flags: tuple[str, ...] = ()):
     capability = torch.backends.cpu.get_cpu_capability()
     vectors = [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"] \
         if capability in ("AVX2", "AVX512") else []
+    name = f"{name}_{digest}_{capability.lower()}"
+    folder = build_folder(name)
+    if folder is not None:
+        # Compiled from one copy of the source in the build's folder: torch's build file names the
+        # source's path, and another stage's path would make ninja build it all over again.
+        shared = folder / source.name
+        if not shared.exists() or shared.read_bytes() != source.read_bytes():
+            shared.write_bytes(source.read_bytes())
+        source = shared
+    if folder is None or not any(folder.glob(f"{name}*.so")):
+        print(f"[building {source.name} with torch's C++ extension loader: once, ~30 s; cached "
+              "afterwards]", file=sys.stderr)
     try:
-        return load(name=f"{name}_{digest}_{capability.lower()}", sources=[str(source)],
+        return load(name=name, sources=[str(source)],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", *vectors, *flags],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 — no compiler, a failed build: say why
         last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
         raise RuntimeError(f"{source.name} did not build ({type(e).__name__}: {last})") from e
+
+
+def build_folder(name: str) -> Path | None:
+    """torch's extension cache folder for this build (created if missing), or None if torch's
+    private helper for it has changed (then each stage builds from its own file)."""
+    from torch.utils import cpp_extension
+
+    try:
+        return Path(cpp_extension._get_build_directory(name, verbose=False))
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def load_kernels():
