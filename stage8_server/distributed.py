@@ -200,12 +200,27 @@ def min_over_ranks(value: int, control_group) -> int:
     return int(t.item())
 
 
-def max_over_ranks(value: int, control_group) -> int:
-    """The largest of every rank's value: how many grammars every rank takes as compiled
-    (scheduler/grammar.py)."""
-    t = torch.tensor([value], dtype=torch.int64)
+def max_over_ranks(values: list[int], control_group) -> list[int]:
+    """Element-wise, the largest of every rank's values: how far each queued grammar got on the
+    rank furthest ahead (scheduler/grammar.py)."""
+    t = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control_group)
-    return int(t.item())
+    return t.tolist()
+
+
+def union_over_ranks(failures: dict[int, str], control_group) -> dict[int, str]:
+    """Every rank's failed requests (rid -> error), merged, the same on every rank (the lowest
+    rank's message first). One all-reduce of a flag every step; the dicts travel only when some
+    rank has one (Scheduler.fail_requests)."""
+    if not max_over_ranks([int(bool(failures))], control_group)[0]:
+        return {}
+    gathered: list = [None] * dist.get_world_size(control_group)
+    dist.all_gather_object(gathered, failures, group=control_group)
+    union: dict[int, str] = {}
+    for rank_failures in gathered:
+        for rid, error in rank_failures.items():
+            union.setdefault(rid, error)
+    return union
 
 
 def destroy() -> None:

@@ -46,7 +46,8 @@ import torch.distributed as dist
 
 from .core import Req
 from .distributed import (SINGLE, LocalRanks, TPError, TPInfo, broadcast_object, check_in_sync,
-                          describe, destroy, init_process_groups, max_over_ranks)
+                          describe, destroy, init_process_groups, max_over_ranks,
+                          union_over_ranks)
 from .engine import Engine, check_device
 from .scheduler import Scheduler
 from .server_args import ServerArgs
@@ -141,12 +142,15 @@ def build_rank(spec: RankSpec, rank: int, tp: TPInfo = SINGLE, control=None, ver
         schedule_conservativeness=args.schedule_conservativeness, log_interval=args.log_interval,
         record_stats=args.record_stats, overlap=None if args.disable_overlap is None else
         not args.disable_overlap, disable_radix_cache=args.disable_radix_cache,
-        schedule_policy=args.schedule_policy, stream_text=rank == 0)
+        schedule_policy=args.schedule_policy, stream_text=rank == 0,
+        grammar_compile_timeout=args.grammar_compile_timeout)
     if args.enable_tp_sync_check and tp.size > 1:
         scheduler.tp_sync_check = functools.partial(check_in_sync, control_group=control)
-    # the ranks admit a request with a grammar at the same step (scheduler/grammar.py)
+    # the ranks admit a request with a grammar at the same step (scheduler/grammar.py), and drop
+    # a failed request at the same step (Scheduler.fail_requests)
     if tp.size > 1:
         scheduler.grammars.sync = functools.partial(max_over_ranks, control_group=control)
+        scheduler.failure_sync = functools.partial(union_over_ranks, control_group=control)
     return tokenizer, engine, scheduler
 
 

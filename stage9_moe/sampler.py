@@ -5,7 +5,8 @@ Order of operations (as in SGLang / vLLM):
 1. penalties on the raw logits: repetition (prompt + output tokens; positive logits are divided by
    it, negative ones multiplied), frequency (minus count in the output times the penalty), presence
    (minus the penalty once a token has appeared in the output);
-2. greedy rows take the argmax now;
+2. greedy rows take the argmax now (temperature below GREEDY_TEMPERATURE or top_k 1: dividing by a
+   temperature of 1e-300 would overflow every logit to inf, SamplingParams.is_greedy);
 3. temperature, then top-k, top-p and min-p as masks over one shared sort;
 4. draw with the "exponential race": argmax(p / E), E ~ Exp(1) i.i.d., picks token i with
    probability p_i and lets each request draw its noise from its own seeded generator, so a seeded

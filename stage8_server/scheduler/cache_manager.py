@@ -136,13 +136,16 @@ class CacheManager:
         self.tree.dec_lock_ref(old_node)
         self.req_shared[req.rid] = num_full
 
-    def release(self, req: Req) -> None:
+    def release(self, req: Req, cache_pages: bool = True) -> None:
         """The request ended (finished, aborted or preempted): its computed full pages go into the
         tree, the rest of its pages back to the free list, its lock and its page-table row are
-        released."""
+        released. cache_pages False (a request that failed): only the tree's own pages stay there,
+        every private page is freed."""
         pages, ps = self.req_pages[req.rid], self.page_size
         # pages whose every token has its K/V
         num_full = req.cached_len // ps if self.tree is not None else 0
+        if not cache_pages:
+            num_full = self.req_shared[req.rid]  # already the tree's: nothing to insert
         self._insert(req, num_full)
         # the partial last page and any unused one
         self.free_pages.extend(reversed(pages[num_full:]))

@@ -66,7 +66,8 @@ def run_batch(scheduler: Scheduler, batch: Batch, start: float) -> None:
     want_rows = torch.tensor(want, dtype=torch.long, device=engine.device)  # [W]
     logprobs: dict = {}
     # stage 8: (bitmask [S, vocab / 32], rows) or None
-    mask = scheduler.grammars.fill_mask(reqs, engine.device)
+    mask = scheduler.grammars.fill_mask(
+        reqs, engine.device, lambda r, exc: scheduler.record_failure(r, exc, "masking its logits"))
 
     def device_step() -> torch.Tensor:  # runs on the device worker
         logits = engine.run(fb)  # [B (+ P prompt positions), vocab]

@@ -5,7 +5,7 @@
                                       └── a refusal (BatchStrOut with an error) ──▶ API server
 
 Everything the engine would refuse is refused here, before the scheduler sees it, with a message
-naming the field: the sampling parameters (SamplingParams.validate; a grammar must parse), the
+naming the field: the sampling parameters (SamplingParams.validate; a grammar's size and depth), the
 prompt's token ids (ints inside the vocabulary), the length (prompt + max_new_tokens must fit the
 context, and the KV pool). A request without max_new_tokens gets all that is left of the smaller of
 the two (SGLang's max_req_len, less the prompt). A bad request costs the scheduler nothing, and an
@@ -26,7 +26,7 @@ import dataclasses
 import logging
 
 from ..constrained import check_grammar
-from ..core import SamplingParams
+from ..core import SEED_LIMIT, SamplingParams
 from ..tokenizer import Tokenizer
 from .messages import (AbortReq, BatchStrOut, BatchTokenizedGenerateReqInput, ControlReq,
                        EngineInfo, GenerateReqInput, PortArgs, TokenizedGenerateReqInput,
@@ -66,7 +66,10 @@ class TokenizerWorker:
             params["max_new_tokens"] = max_req_len - prompt_len
         try:
             base = SamplingParams(**params)
-            check_grammar(base)  # parsed here, so that a bad schema, regex or grammar is a 400
+            # Size, depth and JSON syntax only: xgrammar's parse runs with the compile, on the
+            # scheduler's grammar threads and under its time limit, never on this one thread that
+            # every request waits for. A grammar that does not parse is a 400 from there.
+            check_grammar(base, parse=False)
         except (TypeError, ValueError) as exc:
             raise RequestError(str(exc)) from None
         if prompt_len + base.max_new_tokens > max_req_len:
@@ -89,6 +92,10 @@ class TokenizerWorker:
         if not (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_TOP_LOGPROBS):
             raise RequestError(
                 f"top_logprobs_num must be an int in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
+        if base.seed is not None and base.seed + len(req.rids) > SEED_LIMIT:
+            raise RequestError(f"seed must be at most 2**64 - n = {SEED_LIMIT - len(req.rids)} "
+                               f"with n = {len(req.rids)} (copy i samples with seed + i), got "
+                               f"{base.seed}")
         copies = []
         for i, rid in enumerate(req.rids):
             # Copies of a seeded request differ from each other, and each is reproducible: copy i

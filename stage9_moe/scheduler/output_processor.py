@@ -37,49 +37,70 @@ class StepOutput:
     # With its first token, a request with logprob_start_len >= 0 gets Req.input_token_logprobs.
     input_token_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     error: str | None = None  # finish_reason "error": why (a grammar that failed to compile)
+    # the error's kind for the client: the request's fault, or the server's ("internal_error")
+    error_code: str = "invalid_value"
 
 
 def process_batch_result(scheduler: Scheduler, batch: Batch, sampled: list[tuple[Req, int]],
                          pending: Pending) -> list[StepOutput]:
     """Read one launched step's tokens: fill in placeholders, stop checks, detokenize, release
-    finished."""
-    tokens, events = pending.wait()
+    finished. A request whose own processing raises fails alone (Scheduler.record_failure); a pass
+    that raised fails its batch (Scheduler.fail_batch)."""
+    try:
+        tokens, events = pending.wait()
+        # {index in sampled: (logprob, top (id, logprob) pairs)}; a pass may have prompt ones only
+        logprobs = logprobs_to_host(pending.logprobs) if "rows" in pending.logprobs else {}
+        record_prompt_logprobs(pending.logprobs.get("prompt"))
+    except Exception as exc:  # noqa: BLE001 — the batch's requests end with it, the server goes on
+        outputs = scheduler.fail_batch(batch, exc)
+        release_deferred(scheduler)
+        return outputs
     t0 = time.perf_counter()
     outputs = []
-    # {index in sampled: (logprob, top (id, logprob) pairs)}; a pass may have prompt ones only
-    logprobs = logprobs_to_host(pending.logprobs) if "rows" in pending.logprobs else {}
-    record_prompt_logprobs(pending.logprobs.get("prompt"))
     for j, ((req, index), token_id) in enumerate(zip(sampled, tokens)):
         # it finished at an earlier step (or was aborted) while this one was in flight
-        if req.finished:
+        if req.finished or req.rid in scheduler.failures:
             continue
-        req.output_ids[index] = token_id
-        check_finished(scheduler, req, token_id, index + 1)
-        # drop the launched tokens after the last one
-        if req.finished and len(req.output_ids) > index + 1:
-            del req.output_ids[index + 1 :]
-            req.device_len, req.cached_len = len(req.all_ids), len(req.all_ids) - 1
-        req.check_invariants()
-        detok = scheduler.detok.pop(req.rid, None) if req.finished else scheduler.detok.get(req.rid)
-        delta = detok.take_delta(final=req.finished) if detok and scheduler.stream_text else ""
-        logprob, top = logprobs.get(j, (None, None))
-        outputs.append(
-            StepOutput(req.rid, [token_id], delta, req.finished, req.finish_reason, req,
-                       logprob, top[:req.top_logprobs_num] if top is not None else None,
-                       error=req.error))
-        if index == 0 and req.logprob_start_len >= 0:  # its first token: the prompt is scored
-            outputs[-1].input_token_logprobs = list(req.input_token_logprobs)
+        try:
+            outputs.append(read_token(scheduler, req, index, token_id, logprobs.get(j)))
+        except Exception as exc:  # noqa: BLE001 — this request alone fails
+            scheduler.record_failure(req, exc, "reading its token")
     scheduler.decoder.remove_finished()
-    still_launched = {r.rid for b, _, _ in scheduler.inflight for r in b.reqs}
-    for req in [r for r in scheduler.deferred if r.rid not in still_launched]:
-        scheduler.deferred.remove(req)
-        scheduler.cache.release(req)
-        scheduler.batch_is_full = False
+    release_deferred(scheduler)
     if pending.timing is not None and scheduler.record_stats:
         pending.timing.device = scheduler.worker.times(events)
         pending.timing.process = (t0, time.perf_counter())
         scheduler.timings.append(pending.timing)
     return outputs
+
+
+def read_token(scheduler: Scheduler, req: Req, index: int, token_id: int,
+               logprob: tuple | None) -> StepOutput:
+    """One request's token of a step read back: its stop checks and text -> its StepOutput."""
+    req.output_ids[index] = token_id
+    check_finished(scheduler, req, token_id, index + 1)
+    # drop the launched tokens after the last one
+    if req.finished and len(req.output_ids) > index + 1:
+        del req.output_ids[index + 1 :]
+        req.device_len, req.cached_len = len(req.all_ids), len(req.all_ids) - 1
+    req.check_invariants()
+    detok = scheduler.detok.pop(req.rid, None) if req.finished else scheduler.detok.get(req.rid)
+    delta = detok.take_delta(final=req.finished) if detok and scheduler.stream_text else ""
+    value, top = logprob or (None, None)
+    out = StepOutput(req.rid, [token_id], delta, req.finished, req.finish_reason, req, value,
+                     top[:req.top_logprobs_num] if top is not None else None, error=req.error)
+    if index == 0 and req.logprob_start_len >= 0:  # its first token: the prompt is scored
+        out.input_token_logprobs = list(req.input_token_logprobs)
+    return out
+
+
+def release_deferred(scheduler: Scheduler) -> None:
+    """Finished requests no launched batch holds any more give their pages back."""
+    still_launched = {r.rid for b, _, _ in scheduler.inflight for r in b.reqs}
+    for req in [r for r in scheduler.deferred if r.rid not in still_launched]:
+        scheduler.deferred.remove(req)
+        scheduler.cache.release(req, cache_pages=req.error is None)
+        scheduler.batch_is_full = False
 
 
 def check_finished(scheduler: Scheduler, req: Req, token_id: int, num_output: int) -> None:
@@ -115,8 +136,8 @@ def finish_request(scheduler: Scheduler, req: Req, reason: str, matched=None) ->
         if is_launched(scheduler, req):
             # a launched batch may still write its KV pages: release after it
             scheduler.deferred.append(req)
-        else:
-            scheduler.cache.release(req)
+        else:  # a failed request's pages are not cached: its pass may not have written them
+            scheduler.cache.release(req, cache_pages=req.error is None)
     scheduler.reqs.pop(req.rid, None)
     scheduler.generators.pop(req.rid, None)
 

@@ -109,7 +109,13 @@ class DeviceWorker:
             ready.record(torch.cuda.current_stream(self.device))
         job = lambda: self._run(fn, ready)  # noqa: E731
         if self.executor is None:
-            return Pending(value=job())
+            # a failed pass raises where it is read back (wait), with or without overlap
+            done: Future = Future()
+            try:
+                done.set_result(job())
+            except Exception as exc:  # noqa: BLE001
+                done.set_exception(exc)
+            return Pending(future=done)
         return Pending(future=self.executor.submit(job))
 
     def _run(self, fn, ready):

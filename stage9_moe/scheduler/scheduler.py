@@ -54,6 +54,7 @@ with a grammar in flight (its next mask depends on the token N-1 sampled: gramma
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -74,6 +75,7 @@ from .overlap import DeviceWorker, Pending, StepTiming
 from .prefill import PrefillAdder
 from .run_batch import run_batch
 
+logger = logging.getLogger(__name__)
 # SGLang's defaults for the admission estimate (see the module docstring and prefill.py).
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
@@ -111,6 +113,8 @@ class Scheduler:
     # Stage 7: called after each step with (step, (batch shape, sampled tokens)) to compare them
     # across ranks
     tp_sync_check: Callable | None = None
+    # Stage 8: a request whose grammar takes longer to compile fails alone (scheduler/grammar.py)
+    grammar_compile_timeout: float = 30.0
     waiting: list[Req] = field(default_factory=list)
     stats: list[StepStats] = field(default_factory=list)
     timings: list[StepTiming] = field(default_factory=list)  # per step, when record_stats
@@ -156,7 +160,13 @@ class Scheduler:
         # Stage 8, structured outputs: requests whose grammar compiles, and every constrained
         # batch's mask.
         self.grammars = GrammarManager(lambda: GrammarBackend(
-            self.tokenizer.hf, self.engine.config.vocab_size, self.engine.eos_token_ids))
+            self.tokenizer.hf, self.engine.config.vocab_size, self.engine.eos_token_ids),
+            self.grammar_compile_timeout)
+        # One request must never stop the others: requests whose own work raised this step (rid ->
+        # why), ended with an error at the end of the step (fail_requests).
+        self.failures: dict[int, str] = {}
+        # tensor parallelism: every rank's failures -> their union, the same on every rank
+        self.failure_sync: Callable[[dict[int, str]], dict[int, str]] | None = None
 
     # ---------------------------------------------------------------- requests in and out
     def check_request(self, req: Req) -> None:
@@ -177,19 +187,25 @@ class Scheduler:
             raise ValueError("structured outputs (json_schema, regex, ebnf) need a tokenizer")
 
     def add_request(self, req: Req) -> None:
-        self.check_request(req)
-        params = req.sampling_params
+        """Every rank runs this when a step applies its operations (LLM.add_req checked the request
+        already). Anything that still raises here (a seed torch refuses, say) fails this request
+        alone, at the end of the step: the step goes on."""
         req.arrival = self.step_count
         self.reqs[req.rid] = req
-        if self.tokenizer is not None and (self.stream_text or params.stop_strings):
-            self.detok[req.rid] = IncrementalDetokenizer(self.tokenizer, params.stop_strings)
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.engine.device).manual_seed(params.seed)
-        self.generators[req.rid] = gen
-        # a request with a grammar waits for it in the grammar queue first
-        if not self.grammars.add(req):
-            self.waiting.append(req)
+        try:
+            self.check_request(req)
+            params = req.sampling_params
+            if self.tokenizer is not None and (self.stream_text or params.stop_strings):
+                self.detok[req.rid] = IncrementalDetokenizer(self.tokenizer, params.stop_strings)
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.engine.device).manual_seed(params.seed)
+            self.generators[req.rid] = gen
+            # a request with a grammar waits for it in the grammar queue first
+            if not self.grammars.add(req):
+                self.waiting.append(req)
+        except Exception as exc:  # noqa: BLE001 — queued nowhere: it waits for fail_requests
+            self.record_failure(req, exc, "adding it")
 
     def abort(self, rid: int) -> None:
         req = self.reqs.get(rid)
@@ -198,13 +214,63 @@ class Scheduler:
             self.drain()
             req = self.reqs.get(rid)  # None if those tokens finished it anyway
         if req is not None:
-            finish_request(self, req, "abort")
-            self.detok.pop(rid, None)
-            self.waiting = [r for r in self.waiting if r.rid != rid]
-            self.grammars.remove(req)
-            self.decoder.remove_finished()
-            if self.chunked is req:
-                self.chunked = None
+            self.end_now(req, "abort")
+
+    def end_now(self, req: Req, reason: str) -> None:
+        """Finish req wherever it is (grammar queue, waiting, running, chunked): an abort or a
+        failure."""
+        finish_request(self, req, reason)
+        self.detok.pop(req.rid, None)
+        self.waiting = [r for r in self.waiting if r is not req]
+        self.grammars.remove(req)
+        self.decoder.remove_finished()
+        if self.chunked is req:
+            self.chunked = None
+
+    # ---------------------------------------------------------------- one request fails alone
+    def record_failure(self, req: Req, exc: Exception, doing: str) -> None:
+        """Serving req alone raised (adding it, filling its grammar mask, reading its token): it
+        ends with an error at the end of this step (fail_requests); the others go on."""
+        logger.exception("request %s failed while %s", req.rid, doing)
+        self.failures.setdefault(req.rid, f"internal error while {doing}: "
+                                          f"{type(exc).__name__}: {exc}")
+
+    def fail_requests(self) -> list[StepOutput]:
+        """End this step's failed requests, each with its error (its pages freed, not cached). With
+        tensor parallelism the ranks first agree (failure_sync: the union of every rank's), so that
+        every rank drops the same requests at the same step, even one only rank 0 saw fail (text
+        streaming runs there alone)."""
+        failures, self.failures = self.failures, {}
+        if self.failure_sync is not None:
+            failures = self.failure_sync(failures)
+        outputs = []
+        for rid, error in sorted(failures.items()):
+            req = self.reqs.get(rid)
+            if req is None:  # finished meanwhile
+                continue
+            req.error = error
+            self.end_now(req, "error")
+            outputs.append(StepOutput(rid, [], "", True, "error", req, error=error,
+                                      error_code="internal_error"))
+        return outputs
+
+    def fail_batch(self, batch: Batch, exc: Exception) -> list[StepOutput]:
+        """A launched pass raised (forward or sampling): no request can be blamed, and none has its
+        token, so every request of the batch ends with an error, and the prefix cache forgets what
+        no running request holds (the pass may have left pages it was writing unwritten). Every
+        rank runs the same pass, so every rank fails it the same way (or a rank died: TPError)."""
+        logger.error("a %s pass of %d requests failed: %r", batch.phase, batch.size, exc)
+        error = f"internal error in this request's batch: {type(exc).__name__}: {exc}"
+        outputs = []
+        for req in batch.reqs:
+            if req.finished:
+                continue
+            req.error = error
+            self.end_now(req, "error")
+            outputs.append(StepOutput(req.rid, [], "", True, "error", req, error=error,
+                                      error_code="internal_error"))
+        self.flush_cache()
+        return outputs
 
     def has_unfinished(self) -> bool:
         return bool(self.reqs)
@@ -253,6 +319,11 @@ class Scheduler:
             # only finished requests are still launched: nothing to overlap, free their pages now
             self.drain()
         outputs, self.ready_outputs = self.ready_outputs, []
+        if self.failures or self.failure_sync is not None:  # tp > 1: every rank, every step
+            failed = self.fail_requests()
+            if failed:  # a failed request's output this step is its error alone
+                dropped = {o.rid for o in failed}
+                outputs = [o for o in outputs if o.rid not in dropped] + failed
         if batch is not None:
             if self.record_stats:
                 self.stats.append(

@@ -125,11 +125,12 @@ class SchedulerLoop:
 
     def to_message(self, out: StepOutput) -> ReqOutput:
         req = out.req
-        # a grammar that did not compile: the client gets a 400 with the reason
+        # a grammar that did not compile (the client gets a 400 with the reason), or a request
+        # whose own work raised ("internal_error": the server's fault; the others went on)
         if out.error is not None:
             self.unannounced.discard(out.rid)
             self.prompt_texts.pop(out.rid, None)
-            return error_output(out.rid, out.error)
+            return error_output(out.rid, out.error, out.error_code)
         msg = ReqOutput(out.rid, out.new_token_ids, out.finished, out.finish_reason,
                         req.matched_stop, len(req.input_ids), req.cached_tokens)
         if out.rid in self.unannounced:
