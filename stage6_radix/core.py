@@ -18,7 +18,15 @@ feeds the prompt in pieces: device_len stops short of the prompt's end until the
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
+
+# Below this temperature a request is greedy (SGLang's epsilon): logits / 1e-300 would overflow.
+GREEDY_TEMPERATURE = 1e-6
+# torch.Generator.manual_seed takes any 64-bit value; past it, it raises in the middle of a step.
+SEED_LIMIT = 2**64
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                "presence_penalty")
 
 
 @dataclass
@@ -26,7 +34,7 @@ class SamplingParams:
     """How to pick each next token and when to stop (SGLang's names and meanings).
 
     temperature == 0 (the default here, as in mini-sglang; SGLang's server defaults to 1.0) means
-    greedy.
+    greedy, and so does any temperature below GREEDY_TEMPERATURE.
     """
 
     max_new_tokens: int = 128
@@ -54,6 +62,15 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        for name in FLOAT_FIELDS:  # NaN passes every comparison below: refuse it by name
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and
+                                          not isinstance(self.seed, bool) and
+                                          0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not (self.top_k == -1 or self.top_k >= 1):
@@ -87,7 +104,7 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         # The fast path: argmax needs no softmax, no sorting and no random numbers.
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

@@ -22,14 +22,13 @@ import json
 import math
 from dataclasses import dataclass, field
 
-
-GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 # Below this temperature a request is greedy (SGLang's epsilon): logits / 1e-300 would overflow.
 GREEDY_TEMPERATURE = 1e-6
 # torch.Generator.manual_seed takes any 64-bit value; past it, it raises in the middle of a step.
 SEED_LIMIT = 2**64
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
                 "presence_penalty")
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 
 
 @dataclass

@@ -66,3 +66,23 @@ def test_greedy_rows_with_penalties_take_the_penalised_argmax():
     logits = torch.tensor([[1.0, 0.9]])
     (req,) = reqs_for([SP(presence_penalty=0.5)], output_ids=[0])
     assert sample(logits, [req], [None]) == [1]
+
+
+def test_sampling_params_refuse_what_would_break_a_step_and_tiny_temperatures_are_greedy():
+    """A seed torch's Generator cannot take and NaN/inf are refused by name when the request is made,
+    not in the middle of a step; below 1e-6 a temperature is greedy (logits / 1e-300 overflow)."""
+    import pytest
+
+    SamplingParams = SP
+
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    for bad in ({"seed": 2**64}, {"seed": -1}, {"seed": 1.5}):
+        with pytest.raises(ValueError, match="seed must be an int in"):
+            SamplingParams(**bad)
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty"):
+        for value in (float("nan"), float("inf")):
+            with pytest.raises(ValueError, match=f"{name} must be a finite number"):
+                SamplingParams(**{name: value})
+    assert SamplingParams(temperature=1e-300).is_greedy and SamplingParams(temperature=1e-7).is_greedy
+    assert not SamplingParams(temperature=1e-5).is_greedy

@@ -62,7 +62,8 @@ class RequestHandle:
             self.unfinished.discard(out.rid)
         if out.finish_reason == "error":
             await self.abort()
-            status = 503 if out.error_code == "engine_dead" else 400
+            # a request failing inside the engine is a 500; a refused request a 400
+            status = {"engine_dead": 503, "internal_error": 500}.get(out.error_code, 400)
             raise APIError(status, out.error or "request failed", None, out.error_code)
         return self.index[out.rid], out
 
