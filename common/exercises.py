@@ -2,7 +2,8 @@
 
     python -m common.exercises list [N]            every task: id, functions, goal, your status
     python -m common.exercises start N [TASK ...]  your copy of stage N, those bodies stubbed
-    python -m common.exercises check N [TASK ...]  the tasks' tests on your copy (--json: grading)
+    python -m common.exercises check N [TASK ...]  the tasks' tests on your copy (--json: grading;
+                                                   a speed lesson is also timed: --speed, slow ones)
     python -m common.exercises hint N TASK         what it receives, returns, keeps; the README
     python -m common.exercises solution N TASK     the reference body
     python -m common.exercises reset N [TASK ...]  put the reference body back into your copy
@@ -29,7 +30,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from common import bug_hunts
+from common import bug_hunts, speed_checks
 from common import exercise_workspace as ws
 from common.exercise_tasks import BY_ID, TASKS, Task
 from common.exercise_workspace import Workspace, make_copy, stub_tasks
@@ -226,11 +227,16 @@ def cmd_check(args) -> int:
         w.save(state)
         stale = w.stale_files(state)
     passed = sum(r["passed"] for r in results)
+    # where the lesson is a speed-up: timed against what it replaces (common/speed_checks.py)
+    speed = speed_checks.for_check(args.stage, results, not args.tasks,
+                                   None if args.reference else w.dir, args.speed, args.verbose)
+    ok = passed == len(results) and all(s["passed"] is not False for s in speed)
     if args.json:
         code = "reference" if args.reference else str(w.pkg)
         print(json.dumps({"stage": args.stage, "code": code, "passed": passed,
-                          "total": len(results), "tasks": results, "stale_files": stale}, indent=1))
-        return 0 if passed == len(results) else 1
+                          "total": len(results), "tasks": results, "speed": speed,
+                          "stale_files": stale}, indent=1))
+        return 0 if ok else 1
     if stale:
         shown = ", ".join(stale[:4]) + (" ..." if len(stale) > 4 else "")
         print(f"note: {shown} in your copy differ from {w.pkg.name}/ (the course changed since "
@@ -242,7 +248,9 @@ def cmd_check(args) -> int:
             print(f"      {f['test']}" + (f" ({f['location']}):" if f["location"] else ":"))
             print(describe_failure(f["message"] or "", r["id"]))
     print(f"{passed}/{len(results)} tasks pass")
-    return 0 if passed == len(results) else 1
+    for s in speed:
+        print(f"{speed_checks.LABELS[s['passed']]}  {s['message']}")
+    return 0 if ok else 1
 
 
 def cmd_hint(args) -> int:
@@ -351,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", help="machine-readable results, for grading")
     check.add_argument("--reference", action="store_true", help="test the course's own stage")
     check.add_argument("--verbose", "-v", action="store_true", help="show pytest's own output")
+    check.add_argument("--speed", action="store_true",
+                       help="also the slow speed checks (5: compiles the decode step)")
     p = sub.add_parser("bugs", help="every bug hunt: id, symptom, status")
     p.add_argument("stage", type=int, nargs="?")
     p.set_defaults(fn=lambda a: bug_hunts.cmd_bugs(a, workspace))
