@@ -5,6 +5,7 @@ a CPU, never failed. Each timing runs in a fresh process, as `check` runs it."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -40,6 +41,8 @@ def slowed_copy(root: Path, stage_name: str, file: str, qualname: str, line: str
     path.write_text("".join(lines))
 
 
+@pytest.mark.skipif(os.environ.get("SGLZ_TIMED") != "1",
+                    reason="times engines: the suite runs no timed test; SGLZ_TIMED=1 on a quiet machine")
 def test_the_course_clears_its_thresholds_and_slowed_copies_miss(tmp_path):
     reference = timed(["4.continuous_batching", "6.radix_cache"], None, tmp_path / "ref.json")
     # a scheduler that admits nobody while a batch runs: static batching again
