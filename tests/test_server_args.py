@@ -23,7 +23,9 @@ NEW_FIELDS = {
                          "disable_overlap"},
     "stage6_radix": {"disable_radix_cache", "schedule_policy"},
     "stage7_tp": {"tp_size", "nnodes", "node_rank", "dist_init_addr", "enable_tp_sync_check", "load_format"},
-    "stage8_server": {"host", "port", "served_model_name", "log_level"},
+    "stage8_server": {"host", "port", "served_model_name", "log_level", "api_key", "allowed_origins",
+                      "allowed_hosts", "max_request_body_bytes", "max_requests_per_call",
+                      "grammar_compile_timeout"},
     "stage9_moe": {"moe_runner_backend"},
 }
 
