@@ -253,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
                          help="with --peers: the course's engines (stage 5 on: with enable_torch_compile; stage 6 "
                               "on: radix cache off, as vLLM runs without prefix caching)")
     offline.add_argument("--no-compile", action="store_true", help="with --peers: stage 5 on eagerly")
+    offline.add_argument("--defaults", action="store_true",
+                         help="with --peers: every system with its default options, as a new user runs it (the "
+                              "course: LLM(model, dtype); vLLM: LLM(model, dtype), prefix caching on)")
     offline.add_argument("--attention-backend", default="cpu", choices=["cpu", "torch"],
                          help="with --peers: the course's attention backend (cpu: prefill and decode read the paged "
                               "cache in place, C++ kernels; torch: gather, then SDPA)")

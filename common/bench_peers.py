@@ -178,8 +178,12 @@ def weight_bytes_per_token(engine) -> int:
 
 
 def course_options(stage_name: str, attention_backend: str, num_requests: int, compile: bool) -> dict:
-    """The engine options a course stage runs the peer comparison with (`common.bench chunked-prefill` too)."""
-    options = {"attention_backend": attention_backend, "max_running_requests": num_requests}
+    """The engine options a course stage runs the peer comparison with (`common.bench chunked-prefill` too).
+    attention_backend None: the stage's default (stage 4: torch; from stage 5 on a CPU: cpu, its C++ kernels). Stage
+    4 has no cpu backend: asked for it, stage 4 runs its default."""
+    options: dict = {"max_running_requests": num_requests}
+    if attention_backend is not None and (stage_name >= "stage5" or attention_backend != "cpu"):
+        options["attention_backend"] = attention_backend
     if stage_name >= "stage5" and compile:  # stage 5's CPU stand-in for CUDA graphs
         options["enable_torch_compile"] = True
     if stage_name >= "stage6":  # vLLM runs with prefix caching off: repeated runs would hit the cache
@@ -234,21 +238,27 @@ def bench_peers(args) -> None:
     threads = torch.get_num_threads()
     header(f"vs the CPU peers: {args.model}, {args.num_requests} requests, {sum(map(len, work.prompts))} prompt "
            f"tokens, {work.output_tokens} output tokens; batch-1 decode of {args.batch1_tokens} tokens after a "
-           f"128-token prompt; best of {args.repeats}")
+           f"128-token prompt; best of {args.repeats}; "
+           + ("every system with its default options" if args.defaults else "the course with its tuned options, "
+              "vLLM without prefix caching"))
     rows: list[dict] = []
     for dtype in args.dtypes:
         for stage_name in args.stages:
-            options = course_options(stage_name, args.attention_backend, args.num_requests, not args.no_compile)
+            if args.defaults:  # as a new user runs it: LLM(model, dtype=...)
+                options, label = {}, f"{stage_name} defaults"
+            else:
+                options = course_options(stage_name, args.attention_backend, args.num_requests, not args.no_compile)
+                compiled = " +compile" if options.get("enable_torch_compile") else ""
+                label = f"{stage_name} {options.get('attention_backend', 'default')}{compiled}"
             start = time.perf_counter()
             r = run_course(stage_name, path, dtype, work, batch1, args.repeats, options)
-            compiled = " +compile" if options.get("enable_torch_compile") else ""
-            label = f"{stage_name} {args.attention_backend}{compiled}"
             rows.append({"system": label, "dtype": dtype, **r})
             print(f"   {label} {dtype}: done ({time.perf_counter() - start:.0f} s with start-up)", flush=True)
         for peer in args.peers:
             if peer == "llama.cpp" and dtype != "float32":
                 continue  # the F32 GGUF: the course's weights unquantised
             request = {"model": path, "dtype": dtype, "threads": threads, "repeats": args.repeats,
+                       "defaults": args.defaults,
                        "warmup": {"prompts": work.prompts[:2], "max_new_tokens": [2, 2]}, "batch1": batch1,
                        "offline": None if peer == "llama.cpp" else {"prompts": work.prompts,
                                                                      "max_new_tokens": work.max_new_tokens}}

@@ -34,7 +34,9 @@ class VLLMPeer:
     def __init__(self, req: dict):
         from vllm import LLM
 
-        self.llm = LLM(model=req["model"], dtype=req["dtype"], enable_prefix_caching=False, seed=0)
+        # "defaults": vLLM as a new user runs it (prefix caching on); else as tuned runs compare it
+        options = {} if req.get("defaults") else {"enable_prefix_caching": False}
+        self.llm = LLM(model=req["model"], dtype=req["dtype"], seed=0, **options)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[list[int]]:
         from vllm import SamplingParams

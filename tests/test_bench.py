@@ -160,7 +160,7 @@ def test_cpu_attention_bench_times_both_kernels_in_both_dtypes(capsys):
 
     from common.bench import main
 
-    if "cpu" not in __import__("stage4_scheduler.attention", fromlist=["x"]).available_backends("cpu"):
+    if "cpu" not in __import__("stage5_cudagraph.attention", fromlist=["x"]).available_backends("cpu"):
         pytest.skip("the cpu attention backend did not build here (no C++ compiler?)")
     main(["cpu-attention", "--batch", "3", "--layers", "2", "--repeats", "1"])
     out = capsys.readouterr().out
