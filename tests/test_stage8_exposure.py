@@ -18,7 +18,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,7 +28,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from test_stage8_protocol import PLAYGROUND_DRIVER  # noqa: E402
-from test_stage8_server import ROOT, START_TIMEOUT_S, pid_alive  # noqa: E402
+from test_stage8_server import ROOT, pid_alive, running_server  # noqa: E402
 
 KEY = "test-key-1234"
 POOL = 256  # the KV pool: a prompt has at most POOL - 1 tokens
@@ -40,32 +39,10 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "tempe
 
 @contextmanager
 def keyed_server(model_path, *args: str):
-    """`python -m stage8_server` with SGLANG_API_KEY set; yields (process, url); stops it."""
-    err = tempfile.NamedTemporaryFile(prefix="stage8-exposure-", suffix=".err", delete=False)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "stage8_server", "--model", str(model_path), "--port", "0",
-         "--quiet", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True,
-        env=dict(os.environ, SGLANG_API_KEY=KEY), start_new_session=True)
-    url = None
-
-    def read_url():
-        nonlocal url
-        for line in proc.stdout:
-            if line.startswith("serving "):
-                url = line.split(" at ")[1].split()[0]
-                return
-
-    reader = threading.Thread(target=read_url, daemon=True)
-    reader.start()
-    reader.join(START_TIMEOUT_S)
-    try:
-        assert url is not None, Path(err.name).read_text()
-        yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(30) == 0
-        os.unlink(err.name)
+    """`python -m stage8_server` with SGLANG_API_KEY set; yields (process, url); stops it and checks that
+    nothing is left running (test_stage8_server.running_server)."""
+    with running_server(model_path, *args, api_key=KEY) as server:
+        yield server.proc, server.url
 
 
 class Guarded:

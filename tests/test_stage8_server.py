@@ -28,10 +28,11 @@ START_TIMEOUT_S = 180
 
 
 class Server:
-    def __init__(self, proc: subprocess.Popen, url: str, stderr_path: Path):
+    def __init__(self, proc: subprocess.Popen, url: str, stderr_path: Path, api_key: str | None = None):
         self.proc, self.url, self.stderr_path = proc, url, stderr_path
-        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
-        self.http = httpx.Client(base_url=url, timeout=60)
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key=api_key or "none", max_retries=0, timeout=60)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=url, timeout=60, headers=headers)
         self.pids = self.info()["processes"]
 
     def info(self) -> dict:
@@ -67,12 +68,14 @@ def pid_alive(pid: int) -> bool:
 
 
 @contextmanager
-def running_server(model_path, *args: str):
-    """`python -m stage8_server --port 0 ...` in a subprocess; stops it (SIGTERM) and checks nothing is left."""
+def running_server(model_path, *args: str, api_key: str | None = None):
+    """`python -m stage8_server --port 0 ...` in a subprocess (api_key: given as $SGLANG_API_KEY, and sent by
+    the Server's clients); stops it (SIGTERM) and checks nothing is left."""
     stderr_file = tempfile.NamedTemporaryFile(prefix="stage8-", suffix=".err", delete=False)
+    env = dict(os.environ, SGLANG_API_KEY=api_key) if api_key else None
     proc = subprocess.Popen([sys.executable, "-m", "stage8_server", "--model", str(model_path), "--port", "0",
                              "--quiet", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr_file, text=True,
-                            start_new_session=True)  # a process group of its own, as a terminal would give it
+                            env=env, start_new_session=True)  # a process group of its own, as a terminal would give it
     url, lines = None, []
     deadline = time.monotonic() + START_TIMEOUT_S
 
@@ -95,7 +98,7 @@ def running_server(model_path, *args: str):
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        server = Server(proc, url, Path(stderr_file.name))
+        server = Server(proc, url, Path(stderr_file.name), api_key)
         yield server
     finally:
         if proc.poll() is None:
