@@ -291,6 +291,37 @@ BUGS = [
                "kind of last output?"),
         checks=(E(8, "test_worker_frees_an_aborted_request_and_names_logprob_tokens"),),
         probe="detokenizer_keeps_aborted_state", guide=LEAKS),
+    Bug("8.json_runs_to_the_limit", "constrained.py",
+        "any_whitespace=True,\n                                                max_whitespace_cnt=MAX_WHITESPACE)",
+        "any_whitespace=True)",
+        symptom="Requests with a json_schema often run to max_new_tokens: the answer is an "
+                "opening brace followed by pages of spaces and newlines, and never parses.",
+        hints=("The output follows the grammar (no error), so the grammar allows it. Check the "
+               "grammar alone: python -m common.diagnose grammar 8 --copy.",
+               "A complete object allows end-of-text, so the model could stop; what else does the "
+               "grammar allow after '{', and how many times in a row?",
+               "Read parse_grammar in constrained.py: what limits whitespace in a JSON schema's "
+               "grammar? python -c 'import xgrammar; help(xgrammar.Grammar.from_json_schema)'"),
+        checks=(B(8, "test_json_schema_answers_finish_and_parse"),),
+        probe="json_whitespace_endless", guide="A grammar that never completes"),
+    Bug("8.slow_to_shut_down", "server/detokenizer_worker.py",
+        "    while child.parent_alive():\n        if recv.poll(POLL_TIMEOUT_MS):\n"
+        "            to_api.send_pyobj(worker.handle(recv.recv_pyobj()))",
+        "    while child.parent_alive():\n        try:  # a bad message must not end the worker\n"
+        "            if recv.poll(POLL_TIMEOUT_MS):\n"
+        "                to_api.send_pyobj(worker.handle(recv.recv_pyobj()))\n"
+        "        except BaseException:\n            logger.exception(\"detokenizer worker\")",
+        symptom="Ctrl-C takes five seconds to stop the server, and it warns that the detokenizer "
+                "worker did not exit after SIGTERM and was killed; the others leave by themselves.",
+        hints=("Run python -m common.diagnose server 8 --copy: which process is still alive "
+               "after SIGTERM, and for how long?",
+               "A child leaves on SIGTERM because its handler raises SystemExit in the main "
+               "thread (ChildProcess in server/process.py). What could stop SystemExit from "
+               "reaching the top of that process?",
+               "Read the detokenizer worker's loop: which exceptions does it catch? SystemExit is "
+               "a BaseException, not an Exception."),
+        checks=(B(8, "test_the_detokenizer_worker_leaves_on_sigterm"),),
+        probe="detokenizer_ignores_sigterm", guide="A server that hangs at shutdown"),
     # ------------------------------------------------------------ stage 9
     Bug("9.moe_answer_depends_on_batch", "moe.py",
         "topk_weights / topk_weights.sum(dim=-1, keepdim=True)",

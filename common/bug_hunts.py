@@ -189,7 +189,7 @@ def cmd_bugs(args, workspace) -> int:
             print(f"  {b.id:<34} [{status(b, state)}]")
             print(textwrap.fill(b.symptom, 100, initial_indent=" " * 4, subsequent_indent=" " * 4))
         print()
-    print(f"{len(BUGS)} bugs. `bug N ID` plants one in your copy (exercises/); `bug N` a random "
+    print(f"{len(BUGS)} bugs. `bug N ID` plants one in your copy ({w.dir.parent}); `bug N` a random "
           "one you have not fixed.")
     return 0
 

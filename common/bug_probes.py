@@ -290,6 +290,44 @@ def detokenizer_keeps_aborted_state(pkg):
     return n > 0, f"after 50 cancelled requests the detokenizer holds {n} decoding states"
 
 
+def json_whitespace_endless(pkg):
+    import json
+
+    schema = json.dumps({"type": "object", "properties": {"age": {"type": "integer"}}})
+    llm = pkg.LLM(str(tiny("tiny-qwen3")), verbose=False)
+    outs = llm.generate(["Hi", "JSON please", "a b c"],
+                        pkg.SamplingParams(max_new_tokens=64, temperature=0.0, json_schema=schema))
+    reasons = [o.finish_reason for o in outs]
+    return "length" in reasons, f"json_schema answers end with {reasons}"
+
+
+def detokenizer_ignores_sigterm(pkg):
+    import multiprocessing as mp
+    import os
+    import shutil
+    import signal
+    import time
+
+    ports = sub(pkg, "server.messages").PortArgs.new()
+    ctx = mp.get_context("fork")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=sub(pkg, "server.detokenizer_worker").run_detokenizer_worker,
+                        args=(str(tiny()), ports, there), daemon=True)
+    child.start()
+    try:
+        here.poll(60) and here.recv()
+        time.sleep(0.5)
+        os.kill(child.pid, signal.SIGTERM)
+        child.join(10)
+        alive = child.is_alive()
+        return alive, f"10 s after SIGTERM the detokenizer worker is {'still running' if alive else 'gone'}"
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
+        shutil.rmtree(os.path.dirname(ports.api_ipc_name.removeprefix("ipc://")), ignore_errors=True)
+
+
 def topk_mixes_tokens(pkg):
     topk = sub(pkg, "moe").TopK(2, renormalize=True, weights_in_logits_dtype=False)
     torch.manual_seed(0)

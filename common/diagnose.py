@@ -12,7 +12,12 @@
         cancel two streams, finish a request, then: KV pages still used, the radix tree's locked
         and evictable tokens, check_integrity
 
-N is a stage number; --copy runs your copy in exercises/ (python -m common.exercises) instead.
+    python -m common.diagnose grammar N [--schema JSON | --regex R] [--text T]
+    python -m common.diagnose server N
+        the server's diagnoses (stage 8 on): see common/diagnose_server.py
+
+N is a stage number; --copy runs your copy (python -m common.exercises) instead: in exercises/, in
+$SGLZ_EXERCISES_DIR, or in the folder given (--copy DIR, the same as the exercises tool's --dir).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -36,7 +42,10 @@ def stage_package(number: int, copy: bool):
     name = next(s.name for s in find_stages(ROOT) if s.number == number)
     if not copy:
         return importlib.import_module(name)
-    folder = ROOT / "exercises" / name
+    # the same place as the exercises tool's: --copy DIR, else $SGLZ_EXERCISES_DIR, else exercises/
+    base = Path(copy) if isinstance(copy, str) else Path(
+        os.environ.get("SGLZ_EXERCISES_DIR") or ROOT / "exercises")
+    folder = base / name
     if not (folder / name).is_dir():
         raise SystemExit(f"no copy of {name} in {folder}: python -m common.exercises bug {number}")
     return import_copy(folder, name)
@@ -130,12 +139,14 @@ def cmd_pages(args) -> int:
                    **parse_options(args.option))
     llm = load_llm(pkg, args.model, "float32", options)
     params = pkg.SamplingParams(max_new_tokens=20, ignore_eos=True)
-    stream = llm.stream([[3, 1, 4, 1, 5, 9], [5, 6, 7, 8]], params)
+    # prompts longer than a page (16 tokens), so that full pages reach the radix tree (stage 6 on)
+    first, second = [3, 1, 4, 1, 5, 9, 2, 6] * 5, [5, 6, 7, 8] * 9
+    stream = llm.stream([first, second], params)
     for i, _ in enumerate(stream):
         if i == 5:
             break
     stream.close()  # a client that stops reading: both requests are aborted
-    llm.generate([[3, 1, 4, 1, 5, 9, 2]], pkg.SamplingParams(max_new_tokens=4, ignore_eos=True))
+    llm.generate([first + [7]], pkg.SamplingParams(max_new_tokens=4, ignore_eos=True))
     cache = llm.scheduler.cache
     print(f"after 2 cancelled streams and 1 finished request, nothing running: "
           f"{cache.num_used_pages} KV pages used")
@@ -161,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name)
         p.add_argument("stage", type=int)
         p.add_argument("--model", default="tiny-llama")
-        p.add_argument("--copy", action="store_true", help="your copy in exercises/")
+        p.add_argument("--copy", nargs="?", const=True, default=False, metavar="DIR",
+                       help="your copy (in exercises/, $SGLZ_EXERCISES_DIR or DIR)")
         p.add_argument("--option", action="append", default=[], metavar="K=V")
         p.add_argument("--case", action="append", default=[], help="only this golden prompt "
                        "(english, code, chinese, chat, one_token, long); repeatable")
@@ -172,6 +184,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("text", nargs="+")
     p.add_argument("--model", default="tiny-llama")
     p.set_defaults(fn=cmd_roundtrip)
+    from common.diagnose_server import DEFAULT_SCHEMA, cmd_grammar, cmd_server
+
+    p = sub.add_parser("grammar", help="the request's grammar alone: complete? end-of-text allowed?")
+    p.add_argument("stage", type=int)
+    p.add_argument("--schema", default=DEFAULT_SCHEMA, help="a JSON schema (default: name, age)")
+    p.add_argument("--regex", default=None)
+    p.add_argument("--text", default='{"name": "Ada", "age": 36}', help="the expected output")
+    p.add_argument("--model", default="tiny-qwen3")
+    p.add_argument("--copy", nargs="?", const=True, default=False, metavar="DIR",
+                       help="your copy (in exercises/, $SGLZ_EXERCISES_DIR or DIR)")
+    p.set_defaults(fn=cmd_grammar)
+    p = sub.add_parser("server", help="start the server, its info and processes, SIGTERM it")
+    p.add_argument("stage", type=int)
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--copy", nargs="?", const=True, default=False, metavar="DIR",
+                       help="your copy (in exercises/, $SGLZ_EXERCISES_DIR or DIR)")
+    p.set_defaults(fn=cmd_server)
     args = parser.parse_args(argv)
     return args.fn(args)
 

@@ -142,7 +142,8 @@ class Launcher:
         for child in self.children:
             child.process.join(STOP_TIMEOUT_S)
             if child.process.is_alive():
-                print(f"warning: the {child.name} ignored SIGTERM; killing it", file=sys.stderr)
+                print(f"warning: the {child.name} did not exit within {STOP_TIMEOUT_S:g} s of "
+                      "SIGTERM; killing it", file=sys.stderr)
                 child.process.kill()
                 child.process.join()
         shutil.rmtree(self.ipc_folder, ignore_errors=True)
