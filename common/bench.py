@@ -17,6 +17,7 @@
     python -m common.bench moe    [--device cpu|cuda] [--repeats 5]        stage 9 MoE layer paths; dense vs MoE LLM
     python -m common.bench gemv   [--rows 1|2] [--repeats 6]      stage 9 gemv vs oneDNN, one batch-1 step's products
     python -m common.bench progression [--num-requests 32] [--out DIR]  one workload through stages 1-9 and HF
+    python -m common.bench speculative [--algorithms NGRAM] [--batch-sizes 1 8]  stage 9 speculative decoding
 
 Every workload is greedy with ignore_eos (HF: min_new_tokens = max_new_tokens), so every system generates exactly
 the same number of tokens and tokens/s compares like with like.
@@ -262,6 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     offline.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     offline.add_argument("--repeats", type=int, default=2, help="with --peers: best of this many runs each")
     offline.add_argument("--batch1-tokens", type=int, default=128, help="with --peers: tokens of batch-1 decode")
+    offline.add_argument("--quantization", choices=["q4_1"], default=None,
+                         help="with --peers: the course's stages load SmolLM2's Q4_1 GGUF file with this "
+                              "quantization (stage 9), llama.cpp runs the same file; float32 activations")
     overlap = sub.add_parser("overlap", help="stage 5 overlap scheduling on vs off (CPU)")
     overlap.add_argument("--model", default="smollm2-135m-instruct")
     overlap.add_argument("--num-requests", type=int, default=32)
@@ -282,6 +286,8 @@ def main(argv: list[str] | None = None) -> None:
     bench_chunked.add_parser(sub)
     bench_progression.add_parser(sub)
     bench_profile.add_parser(sub)
+    from common import bench_speculative
+    bench_speculative.add_parser(sub)
     for command, func in ((batch, bench_batch), (load, bench_load), (offline, bench_offline), (overlap, bench_overlap)):
         command.set_defaults(func=func)
     args = parser.parse_args(argv)

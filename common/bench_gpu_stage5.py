@@ -5,7 +5,9 @@
 
 For each shape: build a random-weight bf16 checkpoint on the GPU (transformers, saved as safetensors), load it into
 stage 5, and measure
-  - decode step time with CUDA graphs on and off (overlap on), per batch size;
+  - decode step time with CUDA graphs on and off (overlap on), per batch size, and with graphs on but captured with
+    the torch norms, RoPE and SwiGLU instead of the fused Triton kernels (stage 5, part 5.8): kernels per step of
+    each (the profiler's kernel records / steps);
   - device utilisation during decode: the time some kernel is running on the GPU (torch.profiler's kernel
     records, overlapping ones counted once) / wall time, over as many further steps (1.0: never idle; without
     graphs the GPU waits for each launch); plus the kernels that took most of that time;
@@ -131,13 +133,13 @@ def decode_run(engine, batch_size: int, prompt_len: int, steps: int, overlap: bo
     wall = time.perf_counter() - start
     replays = engine.num_graph_replays - replays
     cpu = sum(t.cpu_seconds for t in sched.timings if t.phase == "decode")
-    util, top = kernel_busy(sched, min(steps, 8), dev)  # few steps: a profile's records are slow to read
+    util, top, per_step = kernel_busy(sched, min(steps, 8), dev)  # few steps: a profile's records are slow to read
     for rid in list(sched.reqs):
         sched.abort(rid)
     sched.drain()
     sched.worker.shutdown()
     return {"step_ms": 1e3 * wall / steps, "device_util": util, "cpu_ms_per_step": 1e3 * cpu / steps,
-            "graph_replays": replays, "steps": steps, "top_kernels": top}
+            "graph_replays": replays, "steps": steps, "top_kernels": top, "kernels_per_step": per_step}
 
 
 def union_length(spans: list[tuple[float, float]]) -> float:
@@ -152,9 +154,9 @@ def union_length(spans: list[tuple[float, float]]) -> float:
     return total + (0.0 if cur_end is None else cur_end - cur_start)
 
 
-def kernel_busy(sched, steps: int, dev: str) -> tuple[float, list]:
+def kernel_busy(sched, steps: int, dev: str) -> tuple[float, list, float]:
     """Run `steps` more decode steps under torch.profiler; -> (the fraction of their wall time in which some GPU
-    kernel was running; the 5 kernels with the most time as (name, ms per step)). CUDA events around a step would
+    kernel was running; the 5 kernels with the most time as (name, ms per step); kernels launched per step). CUDA events around a step would
     count the GPU's waits for launches as busy; the profiler's kernel records do not. The profiler adds a little CPU
     time to each launch, so without graphs the figure is a little low. On a CPU (--smoke) the records are torch's
     CPU ops."""
@@ -176,7 +178,7 @@ def kernel_busy(sched, steps: int, dev: str) -> tuple[float, list]:
     for e in kernels:
         by_name[e.name] = by_name.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:5]
-    return busy_us / 1e6 / wall, [(name[:80], us / 1e3 / steps) for name, us in top]
+    return busy_us / 1e6 / wall, [(name[:80], us / 1e3 / steps) for name, us in top], len(kernels) / steps
 
 
 def throughput(engine, folder: Path, batch_size: int, prompt_len: int, new_tokens: int) -> dict:
@@ -221,7 +223,9 @@ def throughput(engine, folder: Path, batch_size: int, prompt_len: int, new_token
 
 
 def bench_shape(shape: ModelShape, args, bandwidth: float) -> dict:
+    from stage5_cudagraph import kernels
     from stage5_cudagraph.engine import Engine
+    from stage5_cudagraph.graph import GraphRunner
 
     result: dict = {"shape": asdict(shape), "params": shape.num_params()}
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
@@ -233,15 +237,19 @@ def bench_shape(shape: ModelShape, args, bandwidth: float) -> dict:
         engine = Engine(folder, device=args.device, dtype="bfloat16", max_total_tokens=args.max_total_tokens,
                         max_running_requests=max_bs, cuda_graph_max_bs=max_bs)
         runner = engine.graph_runner
+        with kernels.use_backend("torch"):  # the same graphs captured with the torch norms, RoPE, SwiGLU (5.8)
+            unfused_runner = GraphRunner(engine, max_bs)
         rows = []
         for bs in args.batch_sizes:
             on = decode_run(engine, bs, args.prompt_len, args.steps, overlap=True)
+            engine.graph_runner = unfused_runner
+            unfused = decode_run(engine, bs, args.prompt_len, args.steps, overlap=True)
             engine.graph_runner = None  # same engine, same weights, eager decode
             off = decode_run(engine, bs, args.prompt_len, args.steps, overlap=True)
             no_overlap = decode_run(engine, bs, args.prompt_len, args.steps, overlap=False)
             engine.graph_runner = runner
             rows.append({"batch": bs, "graphs_on": on, "graphs_off": off,
-                         "graphs_off_overlap_off": no_overlap})
+                         "graphs_off_overlap_off": no_overlap, "graphs_on_unfused": unfused})
         result["decode"] = rows
         ctx = args.prompt_len + args.steps // 2  # mean context during the timed steps
         w, kv = decode_bytes(shape, 1, ctx, 2)
@@ -260,14 +268,17 @@ def bench_shape(shape: ModelShape, args, bandwidth: float) -> dict:
 def markdown(report: dict) -> str:
     lines = [f"Measured {report['date']} on {report['device']} (torch {report['torch']}), bf16, copy bandwidth "
              f"{report['bandwidth_gb_s']:.0f} GB/s.", "",
-             "| model | batch | step ms, graphs on | graphs off | graphs on, util | graphs off, util | CPU ms/step | "
-             "steps replayed (on / off) |", "|---|---|---|---|---|---|---|---|"]
+             "| model | batch | step ms, graphs on | graphs on, unfused | graphs off | graphs on, util | "
+             "graphs off, util | kernels/step (fused / unfused) | CPU ms/step | steps replayed (on / off) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     kernels = []
     for m in report["models"]:
         for r in m["decode"]:
-            on, off = r["graphs_on"], r["graphs_off"]
-            lines.append(f"| {m['shape']['name']} | {r['batch']} | {on['step_ms']:.2f} | {off['step_ms']:.2f} | "
-                         f"{on['device_util']:.0%} | {off['device_util']:.0%} | {on['cpu_ms_per_step']:.2f} | "
+            on, off, unfused = r["graphs_on"], r["graphs_off"], r["graphs_on_unfused"]
+            lines.append(f"| {m['shape']['name']} | {r['batch']} | {on['step_ms']:.2f} | {unfused['step_ms']:.2f} | "
+                         f"{off['step_ms']:.2f} | {on['device_util']:.0%} | {off['device_util']:.0%} | "
+                         f"{on['kernels_per_step']:.0f} / {unfused['kernels_per_step']:.0f} | "
+                         f"{on['cpu_ms_per_step']:.2f} | "
                          f"{on['graph_replays']}/{on['steps']} / {off['graph_replays']}/{off['steps']} |")
             if r["batch"] == 1 and on.get("top_kernels"):
                 kernels += [f"| {m['shape']['name']} | {name} | {ms:.3f} |" for name, ms in on["top_kernels"]]

@@ -231,6 +231,12 @@ def bench_peers(args) -> None:
 
     folder = resolve_model(args.model)
     path = str(folder)
+    quantization = getattr(args, "quantization", None)
+    if quantization:  # the GGUF file itself, for the course (its blocks kept) and llama.cpp alike
+        from common.models import _find_gguf
+
+        args.dtypes = ["float32"]
+        gguf_file = str(_find_gguf())
     tok = AutoTokenizer.from_pretrained(path)
     work = mixed_workload(tok, args.num_requests, args.max_new_tokens, seed=1, vary_output=True)
     b1_prompt = mixed_workload(tok, 1, 1, seed=3, min_prompt=128, max_prompt=128).prompts[0]
@@ -250,8 +256,11 @@ def bench_peers(args) -> None:
                 options = course_options(stage_name, args.attention_backend, args.num_requests, not args.no_compile)
                 compiled = " +compile" if options.get("enable_torch_compile") else ""
                 label = f"{stage_name} {options.get('attention_backend', 'default')}{compiled}"
+            if quantization:
+                options, label = {**options, "quantization": quantization}, f"{label} {quantization}"
             start = time.perf_counter()
-            r = run_course(stage_name, path, dtype, work, batch1, args.repeats, options)
+            r = run_course(stage_name, gguf_file if quantization else path, dtype, work, batch1, args.repeats,
+                           options)
             rows.append({"system": label, "dtype": dtype, **r})
             print(f"   {label} {dtype}: done ({time.perf_counter() - start:.0f} s with start-up)", flush=True)
         for peer in args.peers:
@@ -263,9 +272,10 @@ def bench_peers(args) -> None:
                        "offline": None if peer == "llama.cpp" else {"prompts": work.prompts,
                                                                      "max_new_tokens": work.max_new_tokens}}
             if peer == "llama.cpp":
-                request["gguf"] = str(ensure_gguf(args.model, folder))
+                request["gguf"] = gguf_file if quantization else str(ensure_gguf(args.model, folder))
             r = run_peer(peer, request)
-            rows.append({"system": peer, "dtype": dtype, "weight_bytes": rows[-1]["weight_bytes"], **r})
+            system = f"{peer} {quantization}" if quantization and peer == "llama.cpp" else peer  # the same file
+            rows.append({"system": system, "dtype": dtype, "weight_bytes": rows[-1]["weight_bytes"], **r})
             print(f"   {peer} {dtype}: done (start-up {r['startup_s']:.0f} s, not timed)", flush=True)
     print_peer_table(rows, work.output_tokens, args.batch1_tokens)
 

@@ -266,6 +266,21 @@ TASKS = [
                    "none is left; a parent left childless and unlocked becomes evictable in turn "
                    "(_update_leaf_status). Returns the freed KV slots (int64), for the caller's "
                    "allocator."}),
+    Task("6.fork_beam", "beam_search.py",
+         goal="one round of beam search: keep the k best (beam, token) pairs, finish the stopped",
+         readme="6.6 Beam search: beams that share prefix pages (optional)",
+         symbols={"BeamState.advance":
+                   "receives top: for each live beam i (self.running[i] = (tokens, float32 "
+                   "score)), the log-probabilities and token ids of its top_n best next tokens. "
+                   "Candidates: score_i + log p, in float32, best first, the top_n best over all "
+                   "beams. Those that do not stop (a stop id, or t + 1 == max_new_tokens) fork: "
+                   "the first beam_width become self.running. A stopping candidate among the first "
+                   "beam_width joins self.finished as (score / (t + 1) ** length_penalty, tokens, "
+                   "score, 'stop' or 'length'), unless early_stopping is True and k are finished "
+                   "already; keep the k best. Then set improvable (the best live beam, scored at t "
+                   "+ 1 tokens, or at max_new_tokens under 'never' with a positive penalty, beats "
+                   "the worst of k finished; sticky) and done (all stopped, not improvable, or k "
+                   "finished under early_stopping True)."}),
     # ------------------------------------------------ stage 7: tensor parallelism
     Task("7.column_parallel", "layers.py",
          goal="load this rank's output rows of column-parallel weights",
@@ -376,6 +391,22 @@ TASKS = [
                    "shape other than checkpoint_shape(shard_id) (ValueError). Copies this rank's "
                    "slice [rank * Ip, (rank+1) * Ip) of the intermediate dim: gate rows to "
                    "w13[..., :Ip, :], up rows to w13[..., Ip:, :], down columns to w2."}),
+    Task("9.accept_draft", "speculative/verify.py",
+         goal="the greedy accept rule: the longest matching prefix, then the target's own token",
+         readme="9.11 Speculative decoding: draft, verify, accept (optional)",
+         symbols={"accept_draft":
+                   "receives draft (k token ids) and target (k + 1 ids: target[j] is the target's "
+                   "argmax after the drafts before j); returns the drafts up to the first one that "
+                   "differs from target, followed by the target's token at that position (after "
+                   "all k drafts: target[k]). Always at least one token."}),
+    Task("9.dequantize_q4_1", "quantization.py",
+         goal="unpack llama.cpp's Q4_1 blocks into float32 weights",
+         readme="9.8 Quantized weights: GGUF's Q4_1/Q8_0 blocks kept in memory, int8 (optional)",
+         symbols={"dequantize_q4_1":
+                   "receives data, uint8 [out, nb * 20]: each row is nb blocks of 20 bytes, "
+                   "| d fp16 | m fp16 | 16 bytes |, little-endian; byte j holds weight j in its low "
+                   "nibble and weight j + 16 in its high one. Returns float32 [out, nb * 32], "
+                   "weight = q * d + m computed in float32 (the product rounded, then the sum)."}),
 ]
 
 BY_ID = {task.id: task for task in TASKS}

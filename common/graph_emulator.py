@@ -24,6 +24,7 @@ name of a stage's graph.py:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 import threading
@@ -41,6 +42,9 @@ HOST_SYNC = {  # ops whose result the host must wait for, or whose output shape 
     aten.unique_consecutive.default, aten.bincount.default,
 }
 HOST_DATA = {aten.lift_fresh.default, aten.lift_fresh_copy.default}  # torch.tensor(data): a copy from host memory
+ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
+               aten.new_empty_strided.default, aten.empty_like.default}  # memory only: no kernel runs
+CASTS = {aten.to.dtype, aten._to_copy.default}
 
 
 class GraphCaptureError(RuntimeError):
@@ -123,6 +127,26 @@ class CUDAGraph:
 
     def pool(self):
         return ("emulated-pool", id(self))
+
+    def kernel_launches(self) -> collections.Counter:
+        """What a replay of this graph would launch on a GPU, by name -> count: every recorded Triton kernel, and every
+        aten op that writes memory (a new output, or an in-place write). Views, and allocations alone (`empty`: no
+        kernel, a pointer into the graph's pool), launch nothing. A matmul counts one (cuBLAS may split one into two).
+        Under Triton's interpreter a kernel writes float32 and torch rounds the result to the model's dtype afterwards
+        (kernels/triton_utils.py): those casts, right after a launch, are not counted, as a GPU does not run them."""
+        counts: collections.Counter = collections.Counter()
+        after_triton = False
+        for kind, func, args, kwargs, fresh in self.ops:
+            if kind == "triton":
+                counts[func.fn.__name__] += 1
+                after_triton = True
+                continue
+            if after_triton and func in CASTS and args[0].dtype == torch.float32:
+                continue  # the interpreter's rounding of the kernel's float32 output
+            after_triton = False
+            if func not in ALLOCATIONS and (fresh or func._schema.is_mutable):
+                counts[func.__name__ if func.namespace == "aten" else str(func)] += 1
+        return counts
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ import torch
 
 from .core import Req, SamplingParams
 from .engine import Engine
+from .gguf_loader import gguf_folder
 from .tokenizer import Messages, Tokenizer, TokenizerConfig
 
 Prompt = Union[str, list[int]]
@@ -34,9 +35,12 @@ class GenerateResult:
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    """A local Hugging Face folder is used as is; a short name ("smollm2-135m-instruct") is fetched
+    """A local Hugging Face folder is used as is; a .gguf file through the folder of its metadata
+    (gguf_loader.py); a short name ("smollm2-135m-instruct") is fetched
     once into a cache by the course's support code, the one place a stage calls into `common/`."""
     path = Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():  # one file: its metadata unpacked to a folder
+        return gguf_folder(path)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ValueError(

@@ -16,8 +16,10 @@ from typing import Iterator, Sequence, Union
 
 import torch
 
+from .beam_search import BeamSearchResult, beam_search
 from .core import Req, SamplingParams
 from .engine import Engine
+from .gguf_loader import gguf_folder
 from .scheduler import Scheduler, StepOutput
 from .server_args import ServerArgs
 from .tokenizer import Messages, Tokenizer, TokenizerConfig
@@ -47,9 +49,12 @@ class GenerateResult:
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    """A local Hugging Face folder is used as is; a short name ("smollm2-135m-instruct") is fetched
+    """A local Hugging Face folder is used as is; a .gguf file through the folder of its metadata
+    (gguf_loader.py); a short name ("smollm2-135m-instruct") is fetched
     once into a cache by the course's support code, the one place a stage calls into `common/`."""
     path = Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():  # one file: its metadata unpacked to a folder
+        return gguf_folder(path)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ValueError(
@@ -147,13 +152,14 @@ class LLM:
         untouched."""
         return self._add(prompt, sampling_params, priority).rid
 
-    def _add(self, prompt: Prompt, sampling_params: SamplingParams | None, priority: int) -> Req:
+    def _add(self, prompt: Prompt, sampling_params: SamplingParams | None, priority: int,
+             make_req=Req) -> Req:
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an int, got {priority!r}")
-        req = Req(self._next_rid, self.encode(prompt), params, priority=priority)
+        req = make_req(self._next_rid, self.encode(prompt), params, priority=priority)
         self.scheduler.add_request(req)
         self._next_rid += 1
         return req
@@ -237,6 +243,17 @@ class LLM:
                     req.input_ids, req.output_ids, texts[chunk.index], req.finish_reason,
                     matched_stop=req.matched_stop, cached_tokens=req.cached_tokens)
         return results
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], beam_width: int,
+                    max_new_tokens: int, length_penalty: float = 1.0,
+                    early_stopping: bool | str = False,
+                    stop_token_ids: Sequence[int] = ()) -> list[BeamSearchResult]:
+        """The beam_width most likely continuations of each prompt (Hugging Face's beam search:
+        length_penalty, early_stopping True / False / "never"; EOS and stop_token_ids end a
+        hypothesis). The beams of a prompt share their prefix pages through the radix cache
+        (beam_search.py). One BeamSearchResult per prompt, its hypotheses best first."""
+        return beam_search(self, _as_prompt_list(prompts), beam_width, max_new_tokens,
+                           length_penalty, early_stopping, stop_token_ids)
 
 
 def _as_prompt_list(prompts) -> list:

@@ -45,22 +45,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .distributed import SINGLE, TPInfo
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight, computed in float32 as Hugging Face does."""
+    """x / sqrt(mean(x^2) + eps) * weight, computed in float32 as Hugging Face does.
+
+    With `residual` (SGLang's calling convention): add x to the residual stream first and return
+    both, (rmsnorm(x + residual), x + residual), in one fused kernel on a GPU
+    (kernels/triton_norm.py)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return kernels.rmsnorm(x, self.weight, self.eps)
+        return kernels.fused_add_rmsnorm(x, residual, self.weight, self.eps)
 
 
 @dataclass(frozen=True)
@@ -126,17 +130,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # positions: [N]; q: [N, H, D]; k: [N, KVH, D]
-        freqs = positions[:, None].float() * self.inv_freq[None, :].float()  # [N, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
-        cos = emb.cos().to(q.dtype)[:, None, :]  # [N, 1, D], broadcast over heads
-        sin = emb.sin().to(q.dtype)[:, None, :]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        # positions: [N]; q: [N, H, D]; k: [N, KVH, D]. On a GPU one Triton kernel: angles computed
+        # in registers, no cos/sin tables or rotate_half copies (kernels/triton_rope.py);
+        # kernels/native.py is the torch version.
+        return kernels.rotary_embedding(positions, q, k, self.inv_freq)
 
 
 # On a CPU, torch hands a float32 matrix product to MKL, whose sgemm and sgemv take a slow generic

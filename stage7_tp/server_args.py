@@ -105,6 +105,10 @@ class ServerArgs:
     node_rank: int = option(
         0, "this machine's index; node 0 runs the requests, the others serve their ranks")
     dist_init_addr: str | None = option(None, "host:port where rank 0 listens (multi-node)")
+    gpu_id_step: int = option(
+        1, "CUDA: rank r of a node runs on GPU r * gpu_id_step; 0 puts every rank on one GPU "
+        "(gloo between the ranks, no CUDA graphs, max_total_tokens required: a rehearsal of the "
+        "sharding, not a speed-up)")
     enable_tp_sync_check: bool = option(
         False, "compare every step's batch and sampled tokens across the tp ranks; "
         "raise where they differ (a debugging guard: one gather per step)")
@@ -159,6 +163,11 @@ class ServerArgs:
         if self.tp_size < 1 or self.nnodes < 1 or self.tp_size % self.nnodes:
             raise ValueError(
                 f"tp_size ({self.tp_size}) must be a positive multiple of nnodes ({self.nnodes})")
+        at_least(self, "gpu_id_step", 0)
+        if (self.gpu_id_step == 0 and self.tp_size > 1 and self.device.startswith("cuda")
+                and self.max_total_tokens is None):
+            raise ValueError("ranks sharing one GPU (gpu_id_step 0) would each size the KV pool "
+                             "from the same free memory: pass max_total_tokens")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(
                 f"node_rank must be in [0, {self.nnodes}) for nnodes={self.nnodes}, got "

@@ -97,9 +97,10 @@ def free_port() -> int:
 
 
 def init_process_groups(rank: int, world_size: int, dist_init_addr: str, device: torch.device,
-                        check_ranks=None):
+                        check_ranks=None, shared_device: bool = False):
     """Join the ranks (blocks until all world_size have joined) -> (TPInfo of the model group,
-    control group).
+    control group). shared_device: the ranks share one GPU (--gpu-id-step 0), which NCCL refuses
+    (one rank per GPU): the model group is gloo, on the GPU's tensors.
 
     Rank 0 hosts the rendezvous store at dist_init_addr and waits there until every rank has checked
     in, calling check_ranks() (which raises if a rank it spawned has already died) as it waits: a
@@ -121,7 +122,7 @@ def init_process_groups(rank: int, world_size: int, dist_init_addr: str, device:
                 f"within {COLLECTIVE_TIMEOUT.total_seconds():.0f} s")
         time.sleep(0.05)
         joined = store.add("ranks_joined", 0)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "nccl" if device.type == "cuda" and not shared_device else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=COLLECTIVE_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)

@@ -19,6 +19,7 @@ from typing import Iterator, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from .beam_search import BeamSearchResult, beam_search
 from .constrained import check_grammar
 from .core import Req, SamplingParams
 from .distributed import (
@@ -30,6 +31,7 @@ from .distributed import (
     free_port,
 )
 from .engine import check_device
+from .gguf_loader import gguf_folder
 from .models import ModelConfig, check_tp_size
 from .scheduler import StepOutput
 from .server_args import ServerArgs
@@ -63,9 +65,12 @@ class GenerateResult:
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    """A local Hugging Face folder is used as is; a short name ("smollm2-135m-instruct") is fetched
+    """A local Hugging Face folder is used as is; a .gguf file through the folder of its metadata
+    (gguf_loader.py); a short name ("smollm2-135m-instruct") is fetched
     once into a cache by the course's support code, the one place a stage calls into `common/`."""
     path = Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():  # one file: its metadata unpacked to a folder
+        return gguf_folder(path)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ValueError(
@@ -194,7 +199,8 @@ class LLM:
         untouched."""
         return self._add(prompt, sampling_params, priority).rid
 
-    def _add(self, prompt: Prompt, sampling_params: SamplingParams | None, priority: int) -> Req:
+    def _add(self, prompt: Prompt, sampling_params: SamplingParams | None, priority: int,
+             make_req=Req) -> Req:
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
@@ -202,7 +208,7 @@ class LLM:
             raise ValueError(f"priority must be an int, got {priority!r}")
         # a grammar that does not parse is refused now, by name (the server does it too)
         check_grammar(params)
-        req = Req(self._next_rid, self.encode(prompt), params, priority=priority)
+        req = make_req(self._next_rid, self.encode(prompt), params, priority=priority)
         self.add_req(req)
         self._next_rid += 1
         return req
@@ -335,6 +341,17 @@ class LLM:
                     req.input_ids, req.output_ids, texts[chunk.index], req.finish_reason,
                     matched_stop=req.matched_stop, cached_tokens=req.cached_tokens)
         return results
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], beam_width: int,
+                    max_new_tokens: int, length_penalty: float = 1.0,
+                    early_stopping: bool | str = False,
+                    stop_token_ids: Sequence[int] = ()) -> list[BeamSearchResult]:
+        """The beam_width most likely continuations of each prompt (Hugging Face's beam search:
+        length_penalty, early_stopping True / False / "never"; EOS and stop_token_ids end a
+        hypothesis). The beams of a prompt share their prefix pages through the radix cache
+        (beam_search.py). One BeamSearchResult per prompt, its hypotheses best first."""
+        return beam_search(self, _as_prompt_list(prompts), beam_width, max_new_tokens,
+                           length_penalty, early_stopping, stop_token_ids)
 
 
 def serve_node(server_args: ServerArgs, tokenizer_config: TokenizerConfig | None = None) -> None:

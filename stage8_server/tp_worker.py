@@ -71,12 +71,25 @@ class RankSpec:
     def ranks_per_node(self) -> int:
         return self.server_args.tp_size // self.server_args.nnodes
 
+    @property
+    def shares_device(self) -> bool:
+        """--gpu-id-step 0 with tp_size > 1 on CUDA: every rank of a node on one GPU."""
+        args = self.server_args
+        return args.gpu_id_step == 0 and self.tp_size > 1 and args.device.startswith("cuda")
+
     def device_for(self, rank: int) -> str:
         # an unknown or missing device is named here, on rank 0
         device = check_device(self.server_args.device)
         if device.type != "cuda" or self.tp_size == 1:
             return str(device)
-        return f"cuda:{rank % self.ranks_per_node}"  # one GPU per rank of a node
+        # SGLang's placement: GPU (rank on this node) * gpu_id_step; 1 by default: one GPU per rank
+        index = (rank % self.ranks_per_node) * self.server_args.gpu_id_step
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"tp_size {self.tp_size} puts rank {rank} on cuda:{index}, but this machine has "
+                f"{torch.cuda.device_count()} CUDA GPU(s); --gpu-id-step 0 runs every rank on one "
+                "GPU (gloo between them, no CUDA graphs: a rehearsal, not a speed-up)")
+        return f"cuda:{index}"
 
 
 @dataclass
@@ -129,7 +142,9 @@ def build_rank(spec: RankSpec, rank: int, tp: TPInfo = SINGLE, control=None, ver
         attention_backend=args.attention_backend, page_size=args.page_size,
         max_running_requests=args.max_running_requests, max_total_tokens=args.max_total_tokens,
         mem_fraction_static=args.mem_fraction_static, eos_token_ids=tokenizer.eos_token_ids,
-        progress=args.progress, verbose=verbose, cuda_graph=not args.disable_cuda_graph,
+        progress=args.progress, verbose=verbose,
+        # ranks sharing a GPU all-reduce over gloo, which a CUDA graph cannot capture
+        cuda_graph=not (args.disable_cuda_graph or spec.shares_device),
         cuda_graph_max_bs=args.cuda_graph_max_bs, load_format=args.load_format,
         enable_torch_compile=args.enable_torch_compile,
         torch_compile_max_bs=args.torch_compile_max_bs, tp=tp, control_group=control)
@@ -157,11 +172,14 @@ def build_rank(spec: RankSpec, rank: int, tp: TPInfo = SINGLE, control=None, ver
 def start_ranks(spec: RankSpec, dist_init_addr: str) -> tuple[TPInfo, object, LocalRanks]:
     """On node 0: spawn ranks 1 .. ranks_per_node-1 of this node, join the process groups as rank
     0."""
+    for rank in range(spec.ranks_per_node):  # a GPU this node lacks is refused before any spawn
+        spec.device_for(rank)
     ranks = LocalRanks(run_follower, list(range(1, spec.ranks_per_node)), (spec, dist_init_addr))
     try:
         tp, control = init_process_groups(0, spec.tp_size, dist_init_addr,
                                           torch.device(spec.device_for(0)),
-                                          check_ranks=ranks.check_started)
+                                          check_ranks=ranks.check_started,
+                                          shared_device=spec.shares_device)
     except Exception as exc:
         failures = ranks.failures()
         ranks.stop(timeout=1)
@@ -187,7 +205,8 @@ def run_follower(rank: int, spec: RankSpec, dist_init_addr: str) -> None:
     # the node's cores, shared
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.ranks_per_node))
     tp, control = init_process_groups(rank, spec.tp_size, dist_init_addr,
-                                      torch.device(spec.device_for(rank)))
+                                      torch.device(spec.device_for(rank)),
+                                      shared_device=spec.shares_device)
     _, engine, scheduler = build_rank(spec, rank, tp, control, verbose=False)
     try:
         while True:

@@ -39,6 +39,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from .gguf_loader import gguf_source, load_gguf_weights
 from .layers import default_weight_loader
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -266,6 +267,8 @@ class LazyTensor:
 def load_weights(model: nn.Module, model_path: Path, progress: bool | None = None) -> LoadStats:
     """Fill every parameter of `model` (this rank's shard of it) from the checkpoint folder.
     progress: show a tqdm bar (None: if stderr is a terminal)."""
+    if gguf_source(model_path) is not None:  # a GGUF file's metadata folder: its own loader
+        return load_gguf_weights(model, Path(model_path), LoadStats())
     start = time.perf_counter()
     files = find_checkpoint_files(Path(model_path))
     plan, total_bytes = plan_load(model, files)

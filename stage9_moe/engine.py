@@ -28,9 +28,11 @@ from .attention import ForwardBatch, create_backend
 from .core import Batch
 from .graph import CompiledRunner, GraphRunner, can_capture
 from .kv_cache import PageTable, PagedKVPool
+from .kv_quant import is_quantized
 from .layers import gemv_copy_bytes, pack_linear_weights
 from .models import ModelConfig, build_model, replicated_bytes
 from .moe import set_moe_runner_backend
+from .quantization import QuantizedWeight, check_quantization, quantize_model
 from .tokenizer import read_eos_token_ids
 from .distributed import SINGLE, TPInfo, min_over_ranks
 from .weights import load_dummy_weights, load_weights
@@ -142,6 +144,8 @@ class KVPoolPlan:
     page_size: int
     bytes_per_token: int
     reason: str
+    # stage 9: a quantized cache's float bytes per token (0: not quantized), for the comparison
+    float_bytes_per_token: int = 0
 
     @property
     def max_total_tokens(self) -> int:
@@ -150,7 +154,13 @@ class KVPoolPlan:
     def summary(self) -> str:
         return (
             f"KV pool {self.max_total_tokens} tokens ({self.num_pages} pages of {self.page_size}), "
-            f"{_mb(self.max_total_tokens * self.bytes_per_token)}: {self.reason}")
+            f"{_mb(self.max_total_tokens * self.bytes_per_token)}: {self.reason}"
+            + (self.quantized_note() if self.float_bytes_per_token else ""))
+
+    def quantized_note(self) -> str:
+        ratio = self.float_bytes_per_token / self.bytes_per_token
+        return (f"; {self.bytes_per_token} bytes/token quantized, {ratio:.2f}x the tokens of the "
+                f"float cache ({self.float_bytes_per_token} bytes/token) in the same memory")
 
 
 def available_ram_bytes() -> int:
@@ -220,7 +230,8 @@ class Engine:
                  | None = None, progress: bool | None = None, verbose: bool = True,
                  cuda_graph: bool = True, cuda_graph_max_bs: int = 64, load_format: str = "auto",
                  enable_torch_compile: bool = False, torch_compile_max_bs: int = 8,
-                 tp: TPInfo = SINGLE, control_group=None, moe_runner_backend: str = "auto"):
+                 tp: TPInfo = SINGLE, control_group=None, moe_runner_backend: str = "auto",
+                 kv_cache_dtype: str = "auto", quantization: str | None = None):
         """Stage 7: `tp` says which shard of the model this process holds (its rank of tp_size);
         with tp_size > 1 the control group lets the ranks agree on one KV pool size. load_format
         "dummy": random weights from the config alone (no checkpoint read; SGLang's --load-format
@@ -232,7 +243,8 @@ class Engine:
         on load. moe_runner_backend: the MoE layers' path, "auto" (fused Triton kernels where they
         run, else the reference loop), "triton" or "torch" (moe.py). enable_torch_compile (CPU):
         decode batches of up to torch_compile_max_bs requests run torch.compile'd code, one graph
-        per CUDA-graph bucket (graph.py)."""
+        per CUDA-graph bucket (graph.py). quantization: q4_1 / q8_0 / int8 linear weights
+        (quantization.py)."""
         model_path = Path(model_path)
         if not (model_path / "config.json").exists():
             raise FileNotFoundError(
@@ -261,8 +273,13 @@ class Engine:
         self.eos_token_ids = set(eos_token_ids) if eos_token_ids else read_eos_token_ids(
             model_path, hf_config)
         self.attn_backend = create_backend(attention_backend, self.device)
+        self.kv_cache_dtype = kv_cache_dtype  # stage 9: int8 / fp8_e4m3 quantize it (kv_quant.py)
+        if is_quantized(kv_cache_dtype) and not self.attn_backend.reads_quantized_kv:
+            raise ValueError(f"the {self.attn_backend.name} attention backend cannot read "
+                             f"kv_cache_dtype={kv_cache_dtype}: use torch, cpu or triton")
 
         self.tp = tp
+        check_quantization(quantization, model_path, tp.size)  # before anything is loaded
         # this rank's shard, empty, in dtype, on device
         self.model = build_model(config, self.device, dtype, tp)
         # MoE layers: fused kernels or the reference loop
@@ -272,6 +289,8 @@ class Engine:
             self.load_stats = load_dummy_weights(self.model)
         else:
             self.load_stats = load_weights(self.model, model_path, progress=progress)
+        if quantization is not None:  # linear weights replaced by their quantized form
+            quantize_model(self.model, quantization, model_path)
         # On a CPU, oneDNN's layout for every matmul weight (layers.py): the same products, faster
         self.packed_weights = pack_linear_weights(self.model)
 
@@ -280,12 +299,15 @@ class Engine:
         # of tokens (the scheduler is the same on every rank), so the smallest rank decides.
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads  # this rank's
         bytes_per_token = PagedKVPool.bytes_per_token(cfg.num_layers, self.num_kv_heads,
-                                                      cfg.head_dim, dtype)
+                                                      cfg.head_dim, dtype, kv_cache_dtype)
         self.kv_plan = plan_kv_pool(self.device, bytes_per_token, page_size, max_total_tokens,
                                     mem_fraction_static,
                                     max_tokens_needed=max_running_requests * self.max_context_len)
         if tp.size > 1:
             self.kv_plan.num_pages = min_over_ranks(self.kv_plan.num_pages, control_group)
+        if is_quantized(kv_cache_dtype):  # the load line compares it with the float cache
+            self.kv_plan.float_bytes_per_token = PagedKVPool.bytes_per_token(
+                cfg.num_layers, self.num_kv_heads, cfg.head_dim, dtype)
         # CUDA graphs pad batches with rows whose K/V must land somewhere harmless: one extra page
         # that the cache manager never sees (num_pages stays the usable count) holds the dummy slot.
         use_graphs = cuda_graph and can_capture(self.device)
@@ -299,7 +321,8 @@ class Engine:
             raise ValueError("enable_torch_compile runs with tp_size 1 only")
         num_pages = self.kv_plan.num_pages
         self.kv_pool = PagedKVPool(cfg.num_layers, num_pages + int(use_graphs or use_compile),
-                                   page_size, self.num_kv_heads, cfg.head_dim, dtype, self.device)
+                                   page_size, self.num_kv_heads, cfg.head_dim, dtype, self.device,
+                                   kv_cache_dtype)
         self.kv_pool.num_pages = num_pages
         # first slot of the reserved page (used only with graphs)
         self.dummy_slot = num_pages * page_size
@@ -343,11 +366,17 @@ class Engine:
             name = str(param.dtype).removeprefix("torch.")
             by_dtype[name] = by_dtype.get(name, 0) + param.numel() * param.element_size()
             num_params += param.numel()
+        for module in self.model.modules():  # quantized weights are buffers (quantization.py)
+            if isinstance(module, QuantizedWeight):
+                by_dtype[module.method] = by_dtype.get(module.method, 0) + module.nbytes
+                num_params += module.out_features * module.in_features
         cfg = self.config
         kv_per_token = PagedKVPool.bytes_per_token(cfg.num_layers, self.num_kv_heads, cfg.head_dim,
-                                                   self.dtype)
-        return MemoryReport(by_dtype, num_params, kv_per_token,
-                            str(self.dtype).removeprefix("torch."), self.max_context_len,
+                                                   self.dtype, self.kv_cache_dtype)
+        kv_dtype = str(self.dtype).removeprefix("torch.")
+        if is_quantized(self.kv_cache_dtype):
+            kv_dtype = f"{self.kv_cache_dtype} + float32 scales"
+        return MemoryReport(by_dtype, num_params, kv_per_token, kv_dtype, self.max_context_len,
                             replicated_bytes(self.model), gemv_copy_bytes(self.model))
 
     @property

@@ -10,6 +10,10 @@ A request's token at position p lives in page page_table[row, p // page_size], a
 page_size. Pages come from a free list and return to it when the request finishes (or is preempted),
 so memory is spent on tokens that exist, not on the longest a request might become (stage 2's
 slots). Attention reads keys through the page table.
+
+Stage 9 (kv_quant.py): with kv_cache_dtype int8 or fp8_e4m3 the pool holds one byte per value and a
+float scale per token and KV head, k_scale / v_scale [L, num_pages, page_size, KVH, 1], written with
+the values and read by attention to dequantize.
 """
 
 from __future__ import annotations
@@ -19,25 +23,44 @@ import sys
 
 import torch
 
+from .kv_quant import SCALE_DTYPE, STORAGE_DTYPES, is_quantized, kv_bytes_per_token, quantize_kv
+
 
 class PagedKVPool:
     """The K/V memory, in pages. Knows nothing of requests: the cache manager hands pages out."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 kv_cache_dtype: str = "auto"):
+        # a quantized pool (kv_quant.py) holds one byte per value, plus a float scale per token and
+        # head: k_scale, v_scale [L, num_pages, page_size, KVH, 1], indexed like the pages
+        self.kv_cache_dtype, self.quantized = kv_cache_dtype, is_quantized(kv_cache_dtype)
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        self.k = zeros_in_huge_pages(shape, dtype, device)  # [L, num_pages, page_size, KVH, D]
-        self.v = zeros_in_huge_pages(shape, dtype, device)
+        store_dtype = STORAGE_DTYPES[kv_cache_dtype] if self.quantized else dtype
+        # [L, num_pages, page_size, KVH, D]
+        self.k = zeros_in_huge_pages(shape, store_dtype, device)
+        self.v = zeros_in_huge_pages(shape, store_dtype, device)
+        if self.quantized:
+            self.k_scale = zeros_in_huge_pages((*shape[:-1], 1), SCALE_DTYPE, device)
+            self.v_scale = zeros_in_huge_pages((*shape[:-1], 1), SCALE_DTYPE, device)
         self.num_pages, self.page_size = num_pages, page_size
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(
-            (), dtype=dtype).element_size()
+                        dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        return kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, kv_cache_dtype)
+
+    def nbytes(self) -> int:
+        """What the pool allocated: K and V, and a quantized pool's scales."""
+        parts = (self.k, self.v, self.k_scale, self.v_scale) if self.quantized else (self.k, self.v)
+        return sum(t.numel() * t.element_size() for t in parts)
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer_id], self.v[layer_id]  # [num_pages, page_size, KVH, D] views
+
+    def layer_scales(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A quantized pool's scales of one layer: [num_pages, page_size, KVH, 1] views."""
+        return self.k_scale[layer_id], self.v_scale[layer_id]
 
     def store(self, layer_id: int, k: torch.Tensor, v: torch.Tensor,
               out_cache_loc: torch.Tensor) -> None:
@@ -45,6 +68,10 @@ class PagedKVPool:
         [N]."""
         # inside graph.py's compiled decode, the same store as an operator (below)
         store = store_kv if torch.compiler.is_compiling() else _store_kv
+        if self.quantized:  # quantized rows and their scales ([N, KVH, 1]), written the same way
+            (k, k_scale), (v, v_scale) = (quantize_kv(k, self.kv_cache_dtype),
+                                          quantize_kv(v, self.kv_cache_dtype))
+            store(self.k_scale[layer_id], self.v_scale[layer_id], k_scale, v_scale, out_cache_loc)
         store(self.k[layer_id], self.v[layer_id], k, v, out_cache_loc)
 
 

@@ -51,6 +51,8 @@ from torch import nn
 
 from . import kernels
 from .distributed import SINGLE, TPInfo
+from .kernels import quant as quant_kernels
+from .quantization import QuantizedWeight
 
 
 class RMSNorm(nn.Module):
@@ -153,7 +155,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            gemv_weight: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) for x [N, in], W [out, in] (plain, or packed by pack_weight): on oneDNN on a
     CPU, else F.linear. Stage 9: a decode step of a few rows reads `gemv_weight`, W's copy laid
-    out for the C++ gemv (kernels/cpu_ops.cpp), with that gemv instead."""
+    out for the C++ gemv (kernels/cpu_ops.cpp), with that gemv instead. A quantized W
+    (quantization.py) goes to its own kernels."""
+    if isinstance(weight, QuantizedWeight):
+        return quant_kernels.quantized_linear(x, weight, bias)  # [N, out]
     if gemv_weight is not None and x.dim() == 2 and 1 <= x.shape[0] <= kernels.cpu.GEMV_MAX_ROWS:
         return kernels.cpu.gemv(x, gemv_weight, bias, weight.shape[0])  # [N, out]
     if weight.is_mkldnn or (x.device.type == "cpu" and x.dtype in ONEDNN_DTYPES and x.dim() == 2):
@@ -181,6 +186,8 @@ onednn_linear = getattr(torch.ops, _PACKAGE).onednn_linear  # x [N, in] -> [N, o
 
 
 def can_pack(weight: torch.Tensor) -> bool:
+    if not isinstance(weight, torch.Tensor):  # quantized: its own kernels
+        return False
     return weight.device.type == "cpu" and weight.dtype in ONEDNN_DTYPES and weight.dim() == 2
 
 
@@ -423,6 +430,8 @@ class VocabParallelEmbedding(nn.Module):
         copy_into(param.data[:real], loaded.narrow(0, self.start, real))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QuantizedWeight):  # a quantized tied LM head: rows dequantized
+            return quant_kernels.quantized_embedding(input_ids, self.weight).to(self.weight.dtype)
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)  # [N, hidden]
         local = input_ids - self.start

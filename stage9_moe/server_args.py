@@ -27,8 +27,11 @@ import torch
 
 from .attention import BACKENDS
 from .engine import LOAD_FORMATS
+from .kv_quant import KV_CACHE_DTYPES
 from .moe import MOE_RUNNER_BACKENDS
+from .quantization import QUANT_METHODS
 from .scheduler.scheduler import SCHEDULE_POLICIES
+from .speculative import SPECULATIVE_ALGORITHMS
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
@@ -67,6 +70,9 @@ class ServerArgs:
         "the KV cache, at most 1 GiB)",
     )
     page_size: int = option(16, "tokens per KV-cache page")
+    kv_cache_dtype: str = option(
+        "auto", "KV cache storage: auto = the model's dtype; int8 / fp8_e4m3 = one byte per value "
+        "plus a float32 scale per token and KV head (kv_quant.py)", choices=KV_CACHE_DTYPES)
 
     # Scheduling (scheduler/)
     max_running_requests: int = option(
@@ -107,6 +113,10 @@ class ServerArgs:
     node_rank: int = option(
         0, "this machine's index; node 0 runs the requests, the others serve their ranks")
     dist_init_addr: str | None = option(None, "host:port where rank 0 listens (multi-node)")
+    gpu_id_step: int = option(
+        1, "CUDA: rank r of a node runs on GPU r * gpu_id_step; 0 puts every rank on one GPU "
+        "(gloo between the ranks, no CUDA graphs, max_total_tokens required: a rehearsal of the "
+        "sharding, not a speed-up)")
     enable_tp_sync_check: bool = option(
         False, "compare every step's batch and sampled tokens across the tp ranks; "
         "raise where they differ (a debugging guard: one gather per step)")
@@ -142,6 +152,19 @@ class ServerArgs:
     moe_runner_backend: str = option(
         "auto", "MoE layers: fused Triton kernels (triton), the per-expert reference "
         "loop (torch); auto = triton on CUDA, torch on CPU", choices=MOE_RUNNER_BACKENDS)
+    # Quantized weights (quantization.py): fewer bytes per weight, fewer bytes read per token
+    quantization: str | None = option(
+        None, "linear layers' weights: q4_1 / q8_0 = a GGUF file's own blocks, kept as they are; "
+        "int8 = weight-only int8 per output row, from any float checkpoint", choices=QUANT_METHODS)
+    # Speculative decoding (speculative/): draft k tokens, verify them in one pass of the model
+    speculative_algorithm: str | None = option(
+        None, "NGRAM: drafts copied from the request's own prompt and output; STANDALONE: a small "
+        "draft model with the same tokenizer (--speculative-draft-model-path)",
+        choices=SPECULATIVE_ALGORITHMS)
+    speculative_num_draft_tokens: int = option(
+        4, "tokens drafted per request per step (the verify pass feeds them + 1)")
+    speculative_draft_model_path: str | None = option(
+        None, "STANDALONE: the draft model (short name or local HF folder)")
 
     # Logging and statistics
     log_interval: int = option(0, "log throughput every N decode steps (0: never)")
@@ -190,6 +213,11 @@ class ServerArgs:
         if self.tp_size < 1 or self.nnodes < 1 or self.tp_size % self.nnodes:
             raise ValueError(
                 f"tp_size ({self.tp_size}) must be a positive multiple of nnodes ({self.nnodes})")
+        at_least(self, "gpu_id_step", 0)
+        if (self.gpu_id_step == 0 and self.tp_size > 1 and self.device.startswith("cuda")
+                and self.max_total_tokens is None):
+            raise ValueError("ranks sharing one GPU (gpu_id_step 0) would each size the KV pool "
+                             "from the same free memory: pass max_total_tokens")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(
                 f"node_rank must be in [0, {self.nnodes}) for nnodes={self.nnodes}, got "
@@ -202,6 +230,9 @@ class ServerArgs:
         elif self.nnodes > 1:
             raise ValueError(
                 "nnodes > 1 needs dist_init_addr (host:port of rank 0, reachable from every node)")
+        self.check_speculative()
+        if self.quantization is not None and self.tp_size != 1:
+            raise ValueError(f"quantization={self.quantization!r} runs with tp_size 1 only")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         at_least(self, "max_request_body_bytes", 1024)
@@ -213,6 +244,18 @@ class ServerArgs:
             if origin != "*" and (scheme not in ("http", "https") or not rest or "/" in rest):
                 raise ValueError(f"allowed_origins: {origin!r} is not an origin like "
                                  "http://host:port (or *, any origin)")
+
+    def check_speculative(self) -> None:
+        at_least(self, "speculative_num_draft_tokens", 1)
+        standalone = self.speculative_algorithm == "STANDALONE"
+        if standalone and not self.speculative_draft_model_path:
+            raise ValueError("speculative_algorithm STANDALONE needs speculative_draft_model_path")
+        if self.speculative_draft_model_path and not standalone:
+            raise ValueError("speculative_draft_model_path is used by speculative_algorithm "
+                             "STANDALONE only")
+        if self.speculative_algorithm and self.disable_overlap is False:
+            raise ValueError("speculative decoding runs without overlap scheduling (its drafts "
+                             "are proposed from the tokens on the host): drop --enable-overlap")
 
     # ---------------------------------------------------------------- the two doors
     @classmethod

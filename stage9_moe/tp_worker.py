@@ -51,6 +51,7 @@ from .distributed import (SINGLE, LocalRanks, TPError, TPInfo, broadcast_object,
 from .engine import Engine, check_device
 from .scheduler import Scheduler
 from .server_args import ServerArgs
+from .speculative import create_speculative_worker
 from .tokenizer import Tokenizer, TokenizerConfig
 
 
@@ -71,12 +72,25 @@ class RankSpec:
     def ranks_per_node(self) -> int:
         return self.server_args.tp_size // self.server_args.nnodes
 
+    @property
+    def shares_device(self) -> bool:
+        """--gpu-id-step 0 with tp_size > 1 on CUDA: every rank of a node on one GPU."""
+        args = self.server_args
+        return args.gpu_id_step == 0 and self.tp_size > 1 and args.device.startswith("cuda")
+
     def device_for(self, rank: int) -> str:
         # an unknown or missing device is named here, on rank 0
         device = check_device(self.server_args.device)
         if device.type != "cuda" or self.tp_size == 1:
             return str(device)
-        return f"cuda:{rank % self.ranks_per_node}"  # one GPU per rank of a node
+        # SGLang's placement: GPU (rank on this node) * gpu_id_step; 1 by default: one GPU per rank
+        index = (rank % self.ranks_per_node) * self.server_args.gpu_id_step
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"tp_size {self.tp_size} puts rank {rank} on cuda:{index}, but this machine has "
+                f"{torch.cuda.device_count()} CUDA GPU(s); --gpu-id-step 0 runs every rank on one "
+                "GPU (gloo between them, no CUDA graphs: a rehearsal, not a speed-up)")
+        return f"cuda:{index}"
 
 
 @dataclass
@@ -129,11 +143,14 @@ def build_rank(spec: RankSpec, rank: int, tp: TPInfo = SINGLE, control=None, ver
         attention_backend=args.attention_backend, page_size=args.page_size,
         max_running_requests=args.max_running_requests, max_total_tokens=args.max_total_tokens,
         mem_fraction_static=args.mem_fraction_static, eos_token_ids=tokenizer.eos_token_ids,
-        progress=args.progress, verbose=verbose, cuda_graph=not args.disable_cuda_graph,
+        progress=args.progress, verbose=verbose,
+        # ranks sharing a GPU all-reduce over gloo, which a CUDA graph cannot capture
+        cuda_graph=not (args.disable_cuda_graph or spec.shares_device),
         cuda_graph_max_bs=args.cuda_graph_max_bs, load_format=args.load_format,
         enable_torch_compile=args.enable_torch_compile,
         torch_compile_max_bs=args.torch_compile_max_bs, tp=tp, control_group=control,
-        moe_runner_backend=args.moe_runner_backend)
+        moe_runner_backend=args.moe_runner_backend, kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization)
     if tokenizer.config.max_length is None:  # leave room for at least one generated token
         tokenizer.config.max_length = engine.max_context_len - 1
     # Ranks 1+ hand no text to anyone: they detokenize only what stop strings need.
@@ -144,7 +161,8 @@ def build_rank(spec: RankSpec, rank: int, tp: TPInfo = SINGLE, control=None, ver
         record_stats=args.record_stats, overlap=None if args.disable_overlap is None else
         not args.disable_overlap, disable_radix_cache=args.disable_radix_cache,
         schedule_policy=args.schedule_policy, stream_text=rank == 0,
-        grammar_compile_timeout=args.grammar_compile_timeout)
+        grammar_compile_timeout=args.grammar_compile_timeout,
+        speculative=create_speculative_worker(args, engine))
     if args.enable_tp_sync_check and tp.size > 1:
         scheduler.tp_sync_check = functools.partial(check_in_sync, control_group=control)
     # the ranks admit a request with a grammar at the same step (scheduler/grammar.py), and drop
@@ -158,11 +176,14 @@ def build_rank(spec: RankSpec, rank: int, tp: TPInfo = SINGLE, control=None, ver
 def start_ranks(spec: RankSpec, dist_init_addr: str) -> tuple[TPInfo, object, LocalRanks]:
     """On node 0: spawn ranks 1 .. ranks_per_node-1 of this node, join the process groups as rank
     0."""
+    for rank in range(spec.ranks_per_node):  # a GPU this node lacks is refused before any spawn
+        spec.device_for(rank)
     ranks = LocalRanks(run_follower, list(range(1, spec.ranks_per_node)), (spec, dist_init_addr))
     try:
         tp, control = init_process_groups(0, spec.tp_size, dist_init_addr,
                                           torch.device(spec.device_for(0)),
-                                          check_ranks=ranks.check_started)
+                                          check_ranks=ranks.check_started,
+                                          shared_device=spec.shares_device)
     except Exception as exc:
         failures = ranks.failures()
         ranks.stop(timeout=1)
@@ -188,7 +209,8 @@ def run_follower(rank: int, spec: RankSpec, dist_init_addr: str) -> None:
     # the node's cores, shared
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.ranks_per_node))
     tp, control = init_process_groups(rank, spec.tp_size, dist_init_addr,
-                                      torch.device(spec.device_for(rank)))
+                                      torch.device(spec.device_for(rank)),
+                                      shared_device=spec.shares_device)
     _, engine, scheduler = build_rank(spec, rank, tp, control, verbose=False)
     try:
         while True:
@@ -213,8 +235,8 @@ def rank_report(engine: Engine) -> dict:
         "rank": engine.tp.rank, "weight_bytes": report.param_bytes,
         "replicated_bytes": report.replicated_bytes,
         "checkpoint_bytes_read": engine.load_stats.bytes_read, "kv_heads": engine.num_kv_heads,
-        "kv_bytes_per_token": report.kv_bytes_per_token, "kv_pool_bytes": pool.k.numel() *
-        pool.k.element_size() * 2, "kv_tokens": pool.num_pages * pool.page_size
+        "kv_bytes_per_token": report.kv_bytes_per_token, "kv_pool_bytes": pool.nbytes(),
+        "kv_tokens": pool.num_pages * pool.page_size
     }
 
 

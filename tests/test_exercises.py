@@ -190,7 +190,7 @@ def test_a_learner_starts_stage_6_writes_insert_and_checks(tmp_path, capsys):
     code, out = run_cli(capsys, *base, "check", "6", "--json")
     report = json.loads(out)
     results = {r["id"]: r for r in report["tasks"]}
-    assert code == 1 and report["passed"] == 2 and report["total"] == 4
+    assert code == 1 and report["passed"] == 2 and report["total"] == 5
     assert results["6.insert_split"]["passed"] and results["6.match_prefix"]["passed"]
     assert results["6.match_prefix"]["same_as_reference"], "reset: the course's own code"
     assert not results["6.evict"]["passed"]

@@ -60,6 +60,59 @@ def test_golden_greedy(stage_name: str, model: str):
     assert not problems, f"{stage_name} on {model}:\n" + "\n".join(problems)
 
 
+@pytest.mark.parametrize("model", GOLDEN_MODELS)
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_golden_greedy_with_speculative_decoding(algorithm: str, model: str):
+    """Stage 9's speculative decoding is exact under greedy: NGRAM drafts, and a STANDALONE draft model (tiny-llama,
+    SmolLM2's vocabulary: itself for tiny-llama, a random guesser for the others), give the reference's tokens."""
+    import stage9_moe
+
+    golden = load_golden(model)
+    options = {"speculative_draft_model_path": "tiny-llama"} if algorithm == "STANDALONE" else {}
+    with stage9_moe.LLM(str(resolve_model(model)), dtype="float32", verbose=False, speculative_algorithm=algorithm,
+                        **options) as llm:
+        results = llm.generate([c["prompt"] for c in golden["cases"]],
+                               stage9_moe.SamplingParams(max_new_tokens=golden["max_new_tokens"], temperature=0.0))
+        worker = llm.scheduler.speculative
+    problems = failures(results, golden)
+    assert not problems, f"{algorithm} speculation on {model}:\n" + "\n".join(problems)
+    if algorithm == "STANDALONE" or model == "smollm2-135m-instruct":  # random tiny models never repeat a bigram
+        assert worker.num_drafted > 0, "no draft was verified: the test would prove nothing"
+
+
+BEAM_STAGES = [s for s in STAGES if stage_number(s) in (6, 9)]  # where beam search arrives, and the last stage
+
+
+@pytest.mark.parametrize("model", GOLDEN_MODELS)
+@pytest.mark.parametrize("stage_name", BEAM_STAGES)
+def test_golden_beam_search_of_width_one(stage_name: str, model: str):
+    """Beam search with one beam keeps the single best token each round: the greedy reference's tokens (its scoring
+    path, one-token requests continuing from the radix tree, is checked against transformers' beam search for
+    k = 2, 4 in tests/test_stage6_beam_search.py)."""
+    if may_skip(stage_name, model):
+        pytest.skip(f"{stage_name} does not run {model}")
+    golden = load_golden(model)
+    llm = load_llm(stage_name, model)
+    results = llm.beam_search([c["prompt"] for c in golden["cases"]], beam_width=1,
+                              max_new_tokens=golden["max_new_tokens"])
+    problems = failures(results, golden)
+    assert not problems, f"{stage_name} beam search (k = 1) on {model}:\n" + "\n".join(problems)
+
+
+def test_golden_greedy_with_q4_1_weights():
+    """Stage 9's --quantization q4_1 keeps the GGUF file's own blocks, and its kernels dequantize each weight to
+    float32 as the reference's dequantized folder holds it: the golden tokens, from the .gguf file itself."""
+    import stage9_moe
+    from common.models import _find_gguf
+
+    golden = load_golden("smollm2-135m-instruct")
+    with stage9_moe.LLM(str(_find_gguf()), dtype="float32", verbose=False, quantization="q4_1") as llm:
+        results = llm.generate([c["prompt"] for c in golden["cases"]],
+                               stage9_moe.SamplingParams(max_new_tokens=golden["max_new_tokens"], temperature=0.0))
+    problems = failures(results, golden)
+    assert not problems, "q4_1 weights on smollm2-135m-instruct:\n" + "\n".join(problems)
+
+
 def test_every_golden_checkpoint_has_a_first_stage():
     assert set(FIRST_STAGE) == set(GOLDEN_MODELS)
 

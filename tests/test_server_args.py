@@ -22,11 +22,13 @@ NEW_FIELDS = {
     "stage5_cudagraph": {"disable_cuda_graph", "cuda_graph_max_bs", "enable_torch_compile", "torch_compile_max_bs",
                          "disable_overlap"},
     "stage6_radix": {"disable_radix_cache", "schedule_policy"},
-    "stage7_tp": {"tp_size", "nnodes", "node_rank", "dist_init_addr", "enable_tp_sync_check", "load_format"},
+    "stage7_tp": {"tp_size", "nnodes", "node_rank", "dist_init_addr", "enable_tp_sync_check", "load_format",
+                  "gpu_id_step"},
     "stage8_server": {"host", "port", "served_model_name", "log_level", "api_key", "allowed_origins",
                       "allowed_hosts", "max_request_body_bytes", "max_requests_per_call",
                       "grammar_compile_timeout"},
-    "stage9_moe": {"moe_runner_backend"},
+    "stage9_moe": {"moe_runner_backend", "kv_cache_dtype", "speculative_algorithm", "speculative_num_draft_tokens",
+                   "speculative_draft_model_path", "quantization"},
 }
 
 # A bad value of an option each lesson brings, and the words its error must hold.

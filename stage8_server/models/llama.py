@@ -26,9 +26,9 @@ and after down_proj) make every rank's residual stream [N, hidden] whole again.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..attention import ForwardBatch
 from ..distributed import SINGLE, TPInfo
 from ..layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
@@ -62,10 +62,12 @@ class LlamaAttention(nn.Module):
         q = q.view(N, self.num_heads, self.head_dim)  # [N, H, D]
         k = k.view(N, self.num_kv_heads, self.head_dim)  # [N, KVH, D]
         v = v.view(N, self.num_kv_heads, self.head_dim)  # [N, KVH, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # per head: the mean is over D only
         # positions are per request, so RoPE needs nothing else
-        q, k = self.rotary_emb(positions, q, k)
+        if self.q_norm is None:
+            q, k = self.rotary_emb(positions, q, k)
+        else:  # Qwen3: each head normalised (a mean over D only), then RoPE; one kernel on a GPU
+            q, k = kernels.qk_norm_rope(positions, q, k, self.q_norm.weight, self.k_norm.weight,
+                                        self.q_norm.eps, self.rotary_emb.inv_freq)
 
         # The backend stores K/V in the cache and attends: varlen over the prompts (prefill), or one
         # query per request against its cache row (decode).
@@ -85,11 +87,17 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, inter / tp] each
-        return self.down_proj(F.silu(gate) * up)  # [N, hidden], all-reduced
+        gate_up = self.gate_up_proj(x)  # [N, 2 * inter / tp]: this rank's gate | up
+        return self.down_proj(kernels.silu_and_mul(gate_up))  # [N, hidden], all-reduced
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Attention and MLP, each behind an RMSNorm and added to the residual stream.
+
+    SGLang's form, which lets each add be fused into the norm that follows it
+    (kernels.fused_add_rmsnorm): a layer takes and returns (hidden, residual), and the add of its
+    output happens in the next norm."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPInfo = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -97,10 +105,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, tp)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, fb)  # [N, hidden]
-        x = x + self.mlp(self.post_attention_layernorm(x))  # [N, hidden]
-        return x
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:  # the first layer: the residual stream is the embedding itself
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            # residual += previous layer's MLP output
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, fb)  # [N, hidden]
+        # residual += attention output
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual  # [N, hidden] each
 
 
 class LlamaModel(nn.Module):
@@ -113,11 +128,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                fb: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [N, hidden]
+                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.embed_tokens(input_ids), None  # [N, hidden]
         for layer in self.layers:
-            x = layer(x, positions, fb)  # [N, hidden]
-        return x  # the final norm is applied by the caller, to the rows it keeps
+            hidden, residual = layer(hidden, residual, positions, fb)
+        # The last MLP output is not added yet: the caller's final norm does it, fused, on the rows
+        # it keeps.
+        return hidden, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -150,10 +167,12 @@ class LlamaForCausalLM(nn.Module):
                 fb: ForwardBatch) -> torch.Tensor:
         """input_ids, positions: [N] packed tokens of B requests -> logits [B, vocab] of each one's
         last token."""
-        x = self.model(input_ids, positions, fb)  # [N, hidden]
+        hidden, residual = self.model(input_ids, positions, fb)  # [N, hidden] each
         # Only each request's last token predicts its next token: gather B rows before the big
         # LM-head matmul.
-        x = self.model.norm(x[fb.last_token_indices])  # [B, hidden]
+        last = fb.last_token_indices
+        # [B, hidden]: the last add, fused into the norm
+        x, _ = self.model.norm(hidden[last], residual[last])
         # Sampling reads float32 logits whatever the weights' dtype (as transformers' generate
         # does): a bfloat16 logit has 8 bits of mantissa, too few to tell close candidates apart in
         # a softmax. [B, vocab]: each rank's share of the vocabulary, all-gathered

@@ -58,6 +58,8 @@ class ForwardBatch:
 
 class AttentionBackend:
     name = "base"
+    # Stage 9: whether prefill_quantized / decode_quantized read an int8 / fp8 pool (kv_quant.py)
+    reads_quantized_kv = False
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Called once per forward pass, before the first layer: work every layer would otherwise
@@ -70,6 +72,11 @@ class AttentionBackend:
         fb.kv_pool.store(layer_id, k, v, fb.out_cache_loc)
         k_cache, v_cache = fb.kv_pool.layer(layer_id)  # [num_pages, page_size, KVH, D] each
         scale = q.shape[-1] ** -0.5
+        if fb.kv_pool.quantized:  # int8 / fp8 values, [num_pages, page_size, KVH, 1] scales
+            kv_scales = fb.kv_pool.layer_scales(layer_id)
+            if fb.phase == "prefill":
+                return self.prefill_quantized(q, k_cache, v_cache, kv_scales, fb, scale)
+            return self.decode_quantized(q, k_cache, v_cache, kv_scales, fb, scale)
         if fb.phase == "prefill":
             return self.prefill(q, k, v, k_cache, v_cache, fb, scale)
         return self.decode(q, k_cache, v_cache, fb, scale)
@@ -81,3 +88,15 @@ class AttentionBackend:
 
     def decode(self, q, k_cache, v_cache, fb: ForwardBatch, scale: float) -> torch.Tensor:
         raise NotImplementedError
+
+    def prefill_quantized(self, q, k_cache, v_cache, kv_scales, fb: ForwardBatch,
+                          scale: float) -> torch.Tensor:
+        """prefill over a quantized pool: every key, the new tokens' too, read from the pool and
+        dequantized (the new K/V are not passed: each backend sees the same keys)."""
+        raise NotImplementedError(f"the {self.name} attention backend does not read a quantized "
+                                  "KV cache")
+
+    def decode_quantized(self, q, k_cache, v_cache, kv_scales, fb: ForwardBatch,
+                         scale: float) -> torch.Tensor:
+        raise NotImplementedError(f"the {self.name} attention backend does not read a quantized "
+                                  "KV cache")

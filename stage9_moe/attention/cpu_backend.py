@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from .base import AttentionBackend, ForwardBatch
+from .torch_backend import TorchBackend
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _kernels: list = []  # the built module, once
@@ -135,9 +136,23 @@ paged_extend_attention = getattr(torch.ops, _PACKAGE).paged_extend_attention
 
 class CpuBackend(AttentionBackend):
     name = "cpu"
+    # Stage 9: a quantized pool (kv_quant.py) is read by the torch backend's gather-and-dequantize
+    # path, not by these kernels (they read float caches only): correct, without their speed.
+    reads_quantized_kv = True
+
+    def __init__(self):
+        self.quantized_fallback = TorchBackend()
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if fb.kv_pool.quantized:
+            return self.quantized_fallback.init_forward_metadata(fb)
         fb.attn_metadata = None  # the kernels read the page table themselves
+
+    def prefill_quantized(self, q, k_cache, v_cache, kv_scales, fb: ForwardBatch, scale):
+        return self.quantized_fallback.prefill_quantized(q, k_cache, v_cache, kv_scales, fb, scale)
+
+    def decode_quantized(self, q, k_cache, v_cache, kv_scales, fb: ForwardBatch, scale):
+        return self.quantized_fallback.decode_quantized(q, k_cache, v_cache, kv_scales, fb, scale)
 
     def prefill(self, q, k, v, k_cache, v_cache, fb: ForwardBatch, scale):
         return paged_extend_attention(q, k_cache, v_cache, fb.page_table, fb.req_rows,

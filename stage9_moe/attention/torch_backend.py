@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..kv_quant import dequantize_kv
 from .base import AttentionBackend, ForwardBatch
 
 
@@ -68,6 +69,9 @@ class TorchAttnMetadata:
     # decode with a prefix every request shares: its slots, read once; the groups above then hold
     # the rest
     shared_kv_indices: torch.Tensor | None = None  # [shared_len]
+    # stage 9, a quantized pool: the pool slots of the keys above, whose dequantized copy
+    # ([sum(seq_lens), 1, KVH, D]) the kv_indices then index (0, 1, 2, ...)
+    pool_slots: torch.Tensor | None = None
 
 
 # below this, reading the prefix once saves less than the extra pass costs
@@ -136,10 +140,15 @@ def plan_decode_groups(lens: list[int], kv_indptr: list[int], kv_indices: torch.
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+    reads_quantized_kv = True
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         kv_indptr, kv_indices = build_kv_indices(fb)
-        fb.attn_metadata = meta = TorchAttnMetadata(kv_indptr, kv_indices)
+        pool_slots = None
+        if fb.kv_pool.quantized:  # every layer reads a dequantized copy of these keys, in order
+            pool_slots = kv_indices
+            kv_indices = torch.arange(kv_indptr[-1], device=pool_slots.device)
+        fb.attn_metadata = meta = TorchAttnMetadata(kv_indptr, kv_indices, pool_slots=pool_slots)
         if fb.phase != "decode":
             return
         shared = shared_prefix_len(fb)
@@ -212,6 +221,25 @@ class TorchBackend(AttentionBackend):
         out[meta.order] = torch.cat(outs).view(B, H, D)  # back to the batch's order
         return out  # [B, H, D]
 
+    def prefill_quantized(self, q, k_cache, v_cache, kv_scales, fb: ForwardBatch, scale):
+        # Gather this pass's keys through the page table, dequantize, and attend as over a float
+        # cache whose "pages" are those keys, one token each (kv_indices count 0, 1, 2, ...).
+        meta: TorchAttnMetadata = fb.attn_metadata
+        k_keys, v_keys = dequantized_keys(k_cache, v_cache, kv_scales, meta.pool_slots, q.dtype)
+        # the new tokens as the pool holds them: every backend attends to the same keys
+        k_new, v_new = dequantized_keys(k_cache, v_cache, kv_scales, fb.out_cache_loc, q.dtype)
+        return self.prefill(q, k_new[:, 0], v_new[:, 0], k_keys, v_keys, fb, scale)  # [N, H, D]
+
+    def decode_quantized(self, q, k_cache, v_cache, kv_scales, fb: ForwardBatch, scale):
+        meta: TorchAttnMetadata = fb.attn_metadata
+        if meta is None:  # a CUDA-graph capture: every request padded to the page table's width
+            k, v = (dequantize_kv(gather_kv(cache, fb.page_table, fb.req_rows, fb.max_seq_len),
+                                  gather_kv(scales, fb.page_table, fb.req_rows, fb.max_seq_len),
+                                  q.dtype) for cache, scales in zip((k_cache, v_cache), kv_scales))
+            return padded_attention(q, k, v, fb, scale)  # [B, H, D]
+        k_keys, v_keys = dequantized_keys(k_cache, v_cache, kv_scales, meta.pool_slots, q.dtype)
+        return self.decode(q, k_keys, v_keys, fb, scale)  # [B, H, D]
+
     def decode_cascade(self, q, k_cache, v_cache, meta: TorchAttnMetadata, scale):
         """Decode when every request starts with the same cached pages: the shared prefix read once
         for the whole batch, each request's own keys by length group, the two partial attentions
@@ -251,14 +279,19 @@ class TorchBackend(AttentionBackend):
         """Every request padded to fb.max_seq_len keys, which graph.py sets to the page table's
         width: shapes that do not depend on the step, and a mask computed on the device, so a replay
         stays right as the requests grow."""
-        # [B, KVH, L, D]
-        k = gather_kv(k_cache, fb.page_table, fb.req_rows, fb.max_seq_len).transpose(1, 2)
-        v = gather_kv(v_cache, fb.page_table, fb.req_rows, fb.max_seq_len).transpose(1, 2)
-        # [B, L]
-        valid = torch.arange(fb.max_seq_len, device=q.device)[None, :] < fb.seq_lens[:, None]
-        out = F.scaled_dot_product_attention(
-            q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
-        return out[:, :, 0, :]  # [B, H, D]
+        k = gather_kv(k_cache, fb.page_table, fb.req_rows, fb.max_seq_len)  # [B, L, KVH, D]
+        v = gather_kv(v_cache, fb.page_table, fb.req_rows, fb.max_seq_len)
+        return padded_attention(q, k, v, fb, scale)  # [B, H, D]
+
+
+def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
+                     scale: float) -> torch.Tensor:
+    """q [B, H, D] against each request's first seq_lens[b] of k, v [B, L, KVH, D] -> [B, H, D]."""
+    valid = torch.arange(k.shape[1], device=q.device)[None, :] < fb.seq_lens[:, None]  # [B, L]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
+        scale=scale, enable_gqa=True)
+    return out[:, :, 0, :]  # [B, H, D]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -284,3 +317,14 @@ def gather_kv(cache: torch.Tensor, page_table: torch.Tensor, rows: torch.Tensor,
     pages = page_table[rows.long(), :num_pages].long()  # [B, num_pages]
     # [B, num_pages * page_size, KVH, D] -> [B, length, KVH, D]
     return cache[pages].flatten(1, 2)[:, :length]
+
+
+def dequantized_keys(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales, slots: torch.Tensor,
+                     dtype: torch.dtype) -> list[torch.Tensor]:
+    """The K and V at pool `slots` [n] of one layer of a quantized pool, dequantized to dtype:
+    [n, 1, KVH, D] each, a float "cache" of n pages of one token."""
+    out = []
+    for cache, scales in zip((k_cache, v_cache), kv_scales):
+        rows = cache.flatten(0, 1).index_select(0, slots)  # [n, KVH, D] int8 / fp8
+        out.append(dequantize_kv(rows, scales.flatten(0, 1).index_select(0, slots), dtype)[:, None])
+    return out

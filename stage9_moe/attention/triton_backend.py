@@ -72,6 +72,7 @@ def _empty_out(q: torch.Tensor) -> torch.Tensor:
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    reads_quantized_kv = True  # stage 9: the kernels dequantize as they load (KV_QUANT)
 
     def __init__(self, block_m: int | None = None, block_n: int | None = None,
                  decode_block_n: int | None = None, num_kv_splits: int = DEFAULT_NUM_KV_SPLITS):
@@ -109,7 +110,22 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"head_dim {D} > 256 is not supported")
         return max(16, triton.next_power_of_2(D))  # tl.dot needs every tile side >= 16
 
-    def prefill(self, q, k, v, k_cache, v_cache, fb: ForwardBatch, scale):
+    def prefill_quantized(self, q, k_cache, v_cache, kv_scales, fb: ForwardBatch, scale):
+        return self.prefill(q, None, None, k_cache, v_cache, fb, scale, kv_scales)  # [N, H, D]
+
+    def decode_quantized(self, q, k_cache, v_cache, kv_scales, fb: ForwardBatch, scale):
+        return self.decode(q, k_cache, v_cache, fb, scale, kv_scales)  # [B, H, D]
+
+    @staticmethod
+    def _scale_args(k_cache: torch.Tensor, kv_scales) -> tuple:
+        """The kernels' K_scale, V_scale and their (page, slot, head) strides: a quantized pool's
+        [num_pages, page_size, KVH, 1] scales, or placeholders a float pool's launch never reads."""
+        if kv_scales is None:
+            return (k_cache, k_cache, 0, 0, 0, 0, 0, 0)
+        k_scale, v_scale = kv_scales
+        return (k_scale, v_scale, *k_scale.stride()[:3], *v_scale.stride()[:3])
+
+    def prefill(self, q, k, v, k_cache, v_cache, fb: ForwardBatch, scale, kv_scales=None):
         # q: [N, H, D] new tokens. k, v (the same tokens' K/V) are not read: the kernel finds them
         # in the pool.
         N, H, D = q.shape
@@ -140,6 +156,7 @@ class TritonBackend(AttentionBackend):
             *v_cache.stride(),
             *out.stride(),
             *fb.page_table.stride(),
+            *self._scale_args(k_cache, kv_scales),
             PAGE_SIZE=page_size,
             GROUP=H // KVH,
             HEAD_DIM=D,
@@ -148,12 +165,13 @@ class TritonBackend(AttentionBackend):
             BLOCK_N=BLOCK_N,
             UPCAST=upcast,
             DOT_PRECISION=precision,
+            KV_QUANT=kv_scales is not None,
             num_warps=num_warps,
             num_stages=num_stages,
         )
         return out.to(q.dtype)  # no-op on a GPU
 
-    def decode(self, q, k_cache, v_cache, fb: ForwardBatch, scale):
+    def decode(self, q, k_cache, v_cache, fb: ForwardBatch, scale, kv_scales=None):
         B, H, D = q.shape
         page_size, KVH = k_cache.shape[1], k_cache.shape[2]
         assert H % KVH == 0, f"{H} query heads cannot share {KVH} kv heads evenly"
@@ -186,6 +204,7 @@ class TritonBackend(AttentionBackend):
             *part_o.stride(),
             *part_lse.stride(),
             *fb.page_table.stride(),
+            *self._scale_args(k_cache, kv_scales),
             PAGE_SIZE=page_size,
             GROUP=GROUP,
             HEAD_DIM=D,
@@ -195,6 +214,7 @@ class TritonBackend(AttentionBackend):
             NUM_KV_SPLITS=S,
             UPCAST=upcast,
             DOT_PRECISION=precision,
+            KV_QUANT=kv_scales is not None,
             num_warps=num_warps,
             num_stages=num_stages,
         )

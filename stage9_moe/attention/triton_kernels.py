@@ -79,12 +79,15 @@ def _extend_kernel(
     stride_vp, stride_vs, stride_vh, stride_vd,
     stride_on, stride_oh, stride_od,
     stride_ptr, stride_ptp,  # page table: row, page index
+    # stage 9, a quantized pool: [num_pages, PAGE_SIZE, KVH, 1] float32 scales (page, slot, head)
+    K_scale, V_scale, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
     PAGE_SIZE: tl.constexpr,
     GROUP: tl.constexpr,  # H // KVH query heads share one K/V head (GQA)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # BLOCK_D = next power of two >= HEAD_DIM
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # new-token queries / key positions per step
     UPCAST: tl.constexpr,  # cast tiles to fp32 before tl.dot (interpreter only)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (ignored for bf16/fp16)
+    KV_QUANT: tl.constexpr = False,  # the caches hold int8 / fp8 values, dequantized on load
 ):
     # One program = one block of BLOCK_M new tokens x one query head x one request.
     pid_m = tl.program_id(0)
@@ -136,6 +139,13 @@ def _extend_kernel(
                   kv_head * stride_vh + offs_d[None, :] * stride_vd)
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        if KV_QUANT:  # each key's value times its (token, head) scale: [BLOCK_N] scales a step
+            k_s = tl.load(K_scale + page * stride_ksp + slot * stride_kss + kv_head * stride_ksh,
+                          mask=mask_k, other=0.0)
+            v_s = tl.load(V_scale + page * stride_vsp + slot * stride_vss + kv_head * stride_vsh,
+                          mask=mask_k, other=0.0)
+            k = (k.to(tl.float32) * k_s[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -192,6 +202,8 @@ def _decode_partial_kernel(
     stride_ls,
     stride_ptr,
     stride_ptp,
+    # stage 9, a quantized pool: [num_pages, PAGE_SIZE, KVH, 1] float32 scales (page, slot, head)
+    K_scale, V_scale, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
     PAGE_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -202,6 +214,7 @@ def _decode_partial_kernel(
     NUM_KV_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr = False,  # the caches hold int8 / fp8 values, dequantized on load
 ):
     # One program = one request x one KV head x one split of its keys, for the whole query group, as
     # in stage 2; only the address of key `pos` changed.
@@ -247,6 +260,13 @@ def _decode_partial_kernel(
         v = tl.load(
             V_cache + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh +
             offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if KV_QUANT:  # as in the extend kernel
+            k_s = tl.load(K_scale + page * stride_ksp + slot * stride_kss + kv_head * stride_ksh,
+                          mask=mask_k, other=0.0)
+            v_s = tl.load(V_scale + page * stride_vsp + slot * stride_vss + kv_head * stride_vsh,
+                          mask=mask_k, other=0.0)
+            k = (k.to(tl.float32) * k_s[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)

@@ -3,6 +3,7 @@
     rmsnorm, fused_add_rmsnorm     triton_norm.py        layers.RMSNorm
     silu_and_mul                   triton_activation.py  layers' SwiGLU (LlamaMLP)
     rotary_embedding               triton_rope.py        layers.RotaryEmbedding
+    qk_norm_rope                   triton_rope.py        Qwen3's q/k norm and RoPE (LlamaAttention)
     fused_moe_gate_up, _down       triton_moe.py         moe.fused_experts (the fused MoE path)
 
 Which one runs ("auto"): Triton on CUDA tensors; on CPU tensors the four elementwise kernels in C++
@@ -32,8 +33,8 @@ _backend = "auto"
 __all__ = [
     "BACKENDS", "use_backend", "current_backend", "use_triton", "use_cpu",
     "triton_unavailable_reason",
-    "rmsnorm", "fused_add_rmsnorm", "silu_and_mul", "rotary_embedding", "fused_moe_gate_up",
-    "fused_moe_down"
+    "rmsnorm", "fused_add_rmsnorm", "silu_and_mul", "rotary_embedding", "qk_norm_rope",
+    "fused_moe_gate_up", "fused_moe_down"
 ]
 
 
@@ -133,6 +134,20 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     if use_cpu(q):
         return cpu.rotary_embedding(positions, q, k, inv_freq)
     return native.rotary_embedding(positions, q, k, inv_freq)
+
+
+def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                 k_weight: torch.Tensor, eps: float,
+                 inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3: RMSNorm over each head of q and of k, then RoPE; one kernel on a GPU."""
+    if use_triton(q):
+        from .triton_rope import rotary_embedding as triton_rotary_embedding
+
+        return triton_rotary_embedding(positions, q, k, inv_freq, (q_weight, k_weight, eps))
+    if use_cpu(q):  # the C++ norm and RoPE, one after the other
+        q, k = cpu.rmsnorm(q, q_weight, eps), cpu.rmsnorm(k, k_weight, eps)
+        return cpu.rotary_embedding(positions, q, k, inv_freq)
+    return native.qk_norm_rope(positions, q, k, q_weight, k_weight, eps, inv_freq)
 
 
 def moe_config(num_slots: int, num_experts: int, triton: bool) -> dict:

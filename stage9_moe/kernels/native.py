@@ -1,6 +1,6 @@
 """The torch implementation of every kernel in this package: what runs on a CPU, and the reference
-each Triton kernel is tested against. The first four are, op for op, the code layers.py ran before
-this stage had kernels, so a CPU run computes the same bits as before (the golden tests check it).
+each Triton kernel is tested against. The first five are, op for op, the code layers.py ran before
+the engine had kernels, so a CPU run computes the same bits as before (the golden tests check it).
 
 The two fused-MoE functions take the same sorted-and-padded inputs as their Triton kernels (moe.py's
 moe_align_block_size) and compute the same thing with batched matmuls: one [BLOCK_M, K] x [K, N]
@@ -52,6 +52,15 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     cos = emb.cos().to(q.dtype)[:, None, :]  # [N, 1, D], broadcast over heads
     sin = emb.sin().to(q.dtype)[:, None, :]
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                 k_weight: torch.Tensor, eps: float,
+                 inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's attention input: RMSNorm over each head of q [N, H, D] and k [N, KVH, D] (one weight
+    [D] each, shared by the heads), then RoPE."""
+    q, k = rmsnorm(q, q_weight, eps), rmsnorm(k, k_weight, eps)
+    return rotary_embedding(positions, q, k, inv_freq)
 
 
 def _gather_blocks(sorted_token_ids: torch.Tensor, num_blocks: int,

@@ -66,10 +66,12 @@ class LlamaAttention(nn.Module):
         q = q.view(N, self.num_heads, self.head_dim)  # [N, H, D]
         k = k.view(N, self.num_kv_heads, self.head_dim)  # [N, KVH, D]
         v = v.view(N, self.num_kv_heads, self.head_dim)  # [N, KVH, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # per head: the mean is over D only
         # positions are per request, so RoPE needs nothing else
-        q, k = self.rotary_emb(positions, q, k)
+        if self.q_norm is None:
+            q, k = self.rotary_emb(positions, q, k)
+        else:  # Qwen3: each head normalised (a mean over D only), then RoPE; one kernel on a GPU
+            q, k = kernels.qk_norm_rope(positions, q, k, self.q_norm.weight, self.k_norm.weight,
+                                        self.q_norm.eps, self.rotary_emb.inv_freq)
 
         # The backend stores K/V in the cache and attends: varlen over the prompts (prefill), or one
         # query per request against its cache row (decode).

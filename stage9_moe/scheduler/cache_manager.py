@@ -113,6 +113,13 @@ class CacheManager:
         pages.extend(new)
         return True
 
+    def trim(self, req: Req, num_tokens: int) -> None:
+        """Speculative decoding: the pages past num_tokens held only rejected drafts; free them."""
+        pages = self.req_pages[req.rid]
+        keep = max(self.pages_for(num_tokens), self.req_shared[req.rid])
+        self.free_pages.extend(reversed(pages[keep:]))
+        del pages[keep:]
+
     def slots(self, req: Req, start: int, end: int) -> list[int]:
         """Pool slots (page * page_size + offset) of the request's positions start .. end-1: where
         K/V go."""

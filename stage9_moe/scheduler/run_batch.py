@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..beam_search import BeamReq, keep_top_logprobs
 from ..constrained import apply_grammar_mask
 from ..core import Batch
 from ..sampler import sample_tensor, token_logprobs
@@ -76,6 +77,9 @@ def run_batch(scheduler: Scheduler, batch: Batch, start: float) -> None:
         if not reqs:
             return torch.empty(0, dtype=torch.long, device=engine.device)
         logits = logits[: len(reqs)] if sel is None else logits[sel]  # [S, vocab]
+        beams = [j for j, r in enumerate(reqs) if isinstance(r, BeamReq)]  # beam search's requests
+        if beams:  # each keeps its best next tokens' log-probabilities (beam_search.py)
+            keep_top_logprobs([reqs[j] for j in beams], logits[beams])
         # Structured outputs: a grammar's forbidden tokens -> -inf, on a copy (logprobs stay the
         # model's).
         scores = logits if mask is None else apply_grammar_mask(logits.clone(), *mask)

@@ -115,6 +115,8 @@ class Scheduler:
     tp_sync_check: Callable | None = None
     # Stage 8: a request whose grammar takes longer to compile fails alone (scheduler/grammar.py)
     grammar_compile_timeout: float = 30.0
+    # Stage 9, speculative decoding (speculative/): decode batches become verify passes; no overlap
+    speculative: object = None
     waiting: list[Req] = field(default_factory=list)
     stats: list[StepStats] = field(default_factory=list)
     timings: list[StepTiming] = field(default_factory=list)  # per step, when record_stats
@@ -144,6 +146,8 @@ class Scheduler:
         self.total_preemptions = 0
         self.last_phase = "decode"
         self._log_tokens, self._log_time = 0, time.perf_counter()
+        if self.speculative is not None:  # drafts are proposed from the tokens on the host
+            self.overlap = False
         if self.overlap is None:
             self.overlap = self.engine.device.type == "cuda"
         self.worker = DeviceWorker(self.engine.device, self.overlap)
@@ -185,6 +189,8 @@ class Scheduler:
             raise ValueError("stop strings need a tokenizer")
         if params.grammar is not None and self.tokenizer is None:
             raise ValueError("structured outputs (json_schema, regex, ebnf) need a tokenizer")
+        if self.speculative is not None:
+            self.speculative.check_request(req)
 
     def add_request(self, req: Req) -> None:
         """Every rank runs this when a step applies its operations (LLM.add_req checked the request
@@ -310,7 +316,13 @@ class Scheduler:
         if batch is not None:
             if self.tp_sync_check is not None:
                 shape = (batch.phase, [(r.rid, r.cached_len, r.extend_len) for r in batch.reqs])
-            run_batch(self, batch, start)
+            # speculative decoding: a decode batch is verified (None: nothing drafted, decode)
+            verified = (self.speculative.run(self, batch)
+                        if self.speculative is not None and batch.phase == "decode" else None)
+            if verified is None:
+                run_batch(self, batch, start)
+            else:
+                self.ready_outputs += verified
         # With overlap, leave the step just launched running and read the one before; without, read
         # it now.
         while len(self.inflight) > (1 if self.overlap and batch is not None else 0):
@@ -318,6 +330,8 @@ class Scheduler:
         if self.inflight and not self.reqs:
             # only finished requests are still launched: nothing to overlap, free their pages now
             self.drain()
+        if self.speculative is not None:  # a finished request's draft-model pages go back
+            self.speculative.release_finished(self.decoder.running)
         outputs, self.ready_outputs = self.ready_outputs, []
         if self.failures or self.failure_sync is not None:  # tp > 1: every rank, every step
             failed = self.fail_requests()

@@ -168,3 +168,59 @@ def test_evict_cascades_to_parents_but_never_takes_a_locked_node(stage):
     cache.check_integrity()
     with pytest.raises(ValueError):
         cache.evict(-1)
+
+
+def beam_state(stage, k=2, max_new_tokens=4, stop=(9,), length_penalty=1.0, early_stopping=False):
+    return stage.beam_search.BeamState([1, 2, 3], k, max_new_tokens, set(stop), length_penalty,
+                                       early_stopping)
+
+
+def top(*pairs):
+    """(token, probability) pairs -> (log-probabilities, token ids) as a beam request keeps them."""
+    return (torch.tensor([p for _, p in pairs]).log(), torch.tensor([t for t, _ in pairs]))
+
+
+@pytest.mark.task("6.fork_beam")
+def test_a_beam_forks_and_a_poor_one_dies(stage):
+    state = beam_state(stage)  # k = 2, one stop token (9): 3 * 2 = 6 candidates per round
+    state.advance([top((5, 0.5), (6, 0.3), (7, 0.1), (8, 0.05), (10, 0.03), (11, 0.02))])
+    assert [tokens for tokens, _ in state.running] == [[5], [6]]
+    assert abs(state.running[0][1] - torch.tensor(0.5).log().item()) < 1e-6
+    # beam [5] is far better: both of its best tokens beat beam [6]'s best; [6] dies
+    state.advance([top((1, 0.6), (2, 0.39), (3, 0.004), (4, 0.003), (12, 0.002), (13, 0.001)),
+                   top((1, 0.4), (2, 0.3), (3, 0.1), (4, 0.1), (12, 0.05), (13, 0.05))])
+    assert [tokens for tokens, _ in state.running] == [[5, 1], [5, 2]]
+    assert not state.finished and not state.done
+
+
+@pytest.mark.task("6.fork_beam")
+def test_a_stop_token_finishes_a_hypothesis_with_the_length_penalty(stage):
+    state = beam_state(stage, length_penalty=2.0)
+    state.advance([top((5, 0.6), (9, 0.3), (7, 0.05), (8, 0.03), (10, 0.01), (11, 0.01))])
+    assert [tokens for tokens, _ in state.running] == [[5], [7]], "the stopped one does not go on"
+    (score, tokens, cumulative, reason), = state.finished
+    assert tokens == [9] and reason == "stop"
+    assert abs(cumulative - torch.tensor(0.3).log().item()) < 1e-6 and abs(score - cumulative) < 1e-6
+    # second round: beam [5] stops too, with 2 tokens: its score is divided by 2 ** 2
+    state.advance([top((9, 0.5), (1, 0.4), (2, 0.05), (3, 0.03), (4, 0.01), (6, 0.01)),
+                   top((1, 0.5), (2, 0.4), (3, 0.05), (4, 0.03), (6, 0.01), (8, 0.01))])
+    best = state.finished[0]
+    assert best[1] == [5, 9] and abs(best[0] - (torch.tensor(0.6).log() +
+                                                torch.tensor(0.5).log()).item() / 4) < 1e-6
+    assert [f[1] for f in state.finished] == [[5, 9], [9]], "best first, k kept"
+
+
+@pytest.mark.task("6.fork_beam")
+def test_when_beam_search_stops(stage):
+    # early_stopping=True: done once k hypotheses are finished
+    state = beam_state(stage, k=1, early_stopping=True)
+    state.advance([top((9, 0.6), (5, 0.4))])
+    assert state.done and state.finished[0][1] == [9]
+    # max_new_tokens reached: every candidate stops, the best k finish by length
+    state = beam_state(stage, max_new_tokens=1)
+    state.advance([top((5, 0.5), (6, 0.3), (7, 0.1), (8, 0.05), (10, 0.03), (11, 0.02))])
+    assert state.done and [(f[1], f[3]) for f in state.finished] == [([5], "length"), ([6], "length")]
+    # early_stopping=False: a live beam that cannot beat the worst finished one ends the search
+    state = beam_state(stage, k=1)
+    state.advance([top((9, 0.6), (5, 0.4))])
+    assert state.done and not state.improvable

@@ -169,3 +169,40 @@ def test_expert_ranks_partial_sums_add_up_and_bad_shapes_are_refused(stage):
     torch.testing.assert_close(parts[0] + parts[1], want, atol=1e-4, rtol=1e-4)  # the all-reduce
     with pytest.raises(ValueError, match="shape"):
         whole.w2_weight.weight_loader(whole.w2_weight, w2[0].T, (0, "w2"))
+
+
+@pytest.mark.task("9.accept_draft")
+def test_accept_draft_keeps_the_longest_prefix_and_adds_the_targets_token(stage):
+    accept = stage.speculative.verify.accept_draft
+    assert accept([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7], "every draft right: all kept, plus target[k]"
+    assert accept([4, 5, 6], [4, 9, 6, 7]) == [4, 9], "stop at the first mismatch: the target's token there"
+    assert accept([4, 5, 6], [8, 5, 6, 7]) == [8], "first draft wrong: the target's own token alone"
+    assert accept([], [3]) == [3], "no draft: a plain decode step"
+    assert accept([1, 1], [1, 2, 1]) == [1, 2]
+
+
+@pytest.mark.task("9.dequantize_q4_1")
+def test_dequantize_q4_1_unpacks_nibbles_scale_and_min(stage):
+    import numpy as np
+
+    block = np.zeros(20, dtype=np.uint8)
+    block[0:2] = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)  # d
+    block[2:4] = np.frombuffer(np.float16(-1.0).tobytes(), np.uint8)  # m
+    block[4:] = np.arange(16, dtype=np.uint8) | (np.arange(16, dtype=np.uint8)[::-1] << 4)
+    got = stage.quantization.dequantize_q4_1(torch.from_numpy(block).reshape(1, 20))
+    low, high = torch.arange(16.0), torch.arange(15.0, -1.0, -1.0)
+    expected = torch.cat([low, high]) * 0.5 - 1.0  # weights 0-15 from low nibbles, 16-31 high
+    assert got.dtype == torch.float32 and got.shape == (1, 32)
+    assert torch.equal(got[0], expected), "weight j: low nibble of byte j; weight j + 16: high"
+
+
+@pytest.mark.task("9.dequantize_q4_1")
+def test_dequantize_q4_1_equals_llama_cpps_dequantizer(stage):
+    import gguf
+    import numpy as np
+
+    w = np.random.default_rng(0).standard_normal((5, 96)).astype(np.float32)
+    data = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)  # [5, 3 * 20]
+    expected = gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q4_1)
+    got = stage.quantization.dequantize_q4_1(torch.from_numpy(data))
+    assert torch.equal(got, torch.from_numpy(expected)), "rows of several blocks, bit for bit"
