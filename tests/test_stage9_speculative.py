@@ -305,3 +305,23 @@ def test_a_small_pool_keeps_the_tokens_identical(plain, tiny_llama_path):
             llm.scheduler.check_integrity()
         assert llm.scheduler.speculative.num_accepted > 0
     assert [got[rid] for rid in rids] == expected
+
+
+def test_large_cpu_batches_decode_without_drafts(plain, ngram, monkeypatch):
+    """On a CPU a verify pass over more than CPU_MAX_BATCH rows costs more than its drafts save (the speculative
+    bench): such a batch decodes as without speculation, with the same tokens; a smaller one proposes drafts."""
+    from stage9_moe.speculative import worker
+
+    seen, drafted = [], []  # the decode batches' sizes; the sizes of those that proposed drafts
+    run, propose = worker.SpeculativeWorker.run, worker.SpeculativeWorker.propose
+    monkeypatch.setattr(worker.SpeculativeWorker, "run",
+                        lambda self, sch, batch: seen.append(len(batch.reqs)) or run(self, sch, batch))
+    monkeypatch.setattr(worker.SpeculativeWorker, "propose",
+                        lambda self, sch, reqs: drafted.append(len(reqs)) or propose(self, sch, reqs))
+    prompts = [[9 + i, 8, 7, 6, 5, 4] for i in range(worker.CPU_MAX_BATCH + 1)]
+    expected = [r.token_ids for r in plain.generate(prompts, greedy(8))]
+    assert [r.token_ids for r in ngram.generate(prompts, greedy(8))] == expected
+    assert max(seen) > worker.CPU_MAX_BATCH, "the test needs a decode batch over the limit"
+    assert all(n <= worker.CPU_MAX_BATCH for n in drafted), f"batches that proposed drafts: {drafted}"
+    ngram.generate(prompts[:worker.CPU_MAX_BATCH], greedy(8))
+    assert worker.CPU_MAX_BATCH in drafted, "a batch within the limit proposes drafts"
