@@ -1,14 +1,16 @@
 """The quantized matmul's paths (quantization.py holds the scheme and the torch reference):
 
-    CPU, <= 16 rows (decode) quant_cpu.cpp's quant_gemv: each weight row's blocks read once and
-                             dequantized in registers, used for 4 rows of x at a time
-                             (AVX-512; a scalar loop elsewhere)
+    CPU, <= 16 rows (decode) quant_cpu.cpp's quant_gemv: each weight row's blocks read once,
+                             unpacked in registers and used for 4 rows of x at a time; per
+                             block d * sum(q x) + m * sum(x) (AVX-512; a scalar loop elsewhere)
     CPU, more rows (prefill) tiles of TILE_ROWS weight rows dequantized by quant_cpu.cpp into a
                              float32 buffer, each multiplied by the float GEMM
     GPU                      triton_quant.py: blocks dequantized in registers inside a tiled GEMM
     otherwise                the reference (dequantize everything, then F.linear)
 
-Every path dequantizes each weight to float32 as the reference does and sums in float32.
+The tiles and the GPU path dequantize each weight to float32 as the reference does; the gemv
+applies a block's scale once per block: the reference's numbers up to float32 rounding. All sum in
+float32.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ _error: list[str] = []
 
 def load_cpu():
     if not _ops and not _error:
-        try:  # q * d + m stays two roundings, as in the reference
+        try:  # quant_dequantize's q * d + m stays two roundings, as in the reference
             build_extension(SOURCE, "quant_cpu", ("-ffp-contract=off", ))
             _ops.append(torch.ops.sglz_quant_cpu)
             # output shapes, for torch.compile (graph.py's compiled decode calls quant_gemv)

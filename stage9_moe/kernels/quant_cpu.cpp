@@ -1,6 +1,6 @@
 // Quantized matmul on a CPU (kernels/quant.py builds this file once with torch's C++ extension
 // loader). A decode step (up to 16 rows) is a pass over the weights: `quant_gemv` reads each
-// row's blocks once, straight from the layout they have in the GGUF file, and dequantizes them in
+// row's blocks once, straight from the layout they have in the GGUF file, and unpacks them in
 // registers, 16 weights at a time:
 //
 //   q4_1  block = | d fp16 | m fp16 | 16 bytes |: weight j < 16 in byte j's low nibble, j + 16 in
@@ -8,11 +8,11 @@
 //   q8_0  block = | d fp16 | 32 x int8 |: w = q * d
 //   int8  row r = K x int8 and scale[r]: w = q * scale[r]
 //
-// Each weight is dequantized to float32 exactly as the reference does (a product, then a sum: two
-// roundings, built with -ffp-contract=off), then multiplied into float32 sums (an FMA per weight),
-// so the result is the reference's up to the order of the additions. Threads take ranges of output
-// rows (at::parallel_for). `quant_dequantize` writes the float32 rows of a tile of the weight, for
-// products of more rows (quant.py hands those tiles to the float GEMM).
+// It multiplies the integers q into x and applies a block's d and m once per block (below), so
+// the result is the reference's (dequantize, then multiply) up to float32 rounding. Threads take
+// ranges of output rows (at::parallel_for). `quant_dequantize` writes the float32 rows of a tile
+// of the weight exactly as the reference does (a product, then a sum: two roundings, built with
+// -ffp-contract=off), for products of more rows (quant.py hands those tiles to the float GEMM).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -70,6 +70,13 @@ static void dequantize_row(int64_t method, const uint8_t* row, float scale, int6
 // (the kernel tests compare to the reference within 1e-5).
 
 #if defined(CPU_CAPABILITY_AVX512)
+// the two fp16 at p (a q4_1 block's d and m) in lanes 0 and 1, converted by the CPU (F16C)
+static inline __m128 half2_at(const uint8_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, 4);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+}
+
 // M rows of x (float, [M, K]) against one weight row: out[m] = sum_k w_k * x[m, k].
 // Two accumulators per row of x (even and odd blocks): two independent chains of FMAs.
 template <int M>
@@ -84,10 +91,11 @@ static inline void row_dot_avx512(int64_t method, const uint8_t* row, float scal
   }
   if (method == Q4_1) {
     const __m512i low4 = _mm512_set1_epi32(0x0F);
-    for (int64_t b = 0; b < blocks; ++b) {
+    auto block = [&](int64_t b, __m512* a) {
       const uint8_t* p = row + b * 20;
-      const __m512 d = _mm512_set1_ps(half_at(p));
-      const float mb = half_at(p + 2);
+      const __m128 dm = half2_at(p);  // d, m
+      const __m512 d = _mm512_broadcastss_ps(dm);
+      const float mb = _mm_cvtss_f32(_mm_movehdup_ps(dm));
       // 16 bytes -> 16 int32 lanes; low nibbles are weights 0..15, high nibbles 16..31
       const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4)));
       const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, low4));
@@ -96,14 +104,20 @@ static inline void row_dot_avx512(int64_t method, const uint8_t* row, float scal
         const float* xb = x + m * K + b * BLOCK;
         const __m512 qx = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16),
                                           _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
-        acc[b & 1][m] = _mm512_fmadd_ps(qx, d, acc[b & 1][m]);
+        a[m] = _mm512_fmadd_ps(qx, d, a[m]);
         offset[m] += mb * xsum[m * blocks + b];
       }
+    };
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+      block(b, acc[0]);
+      block(b + 1, acc[1]);
     }
+    if (b < blocks) block(b, acc[0]);
   } else if (method == Q8_0) {
-    for (int64_t b = 0; b < blocks; ++b) {
+    auto block = [&](int64_t b, __m512* a) {
       const uint8_t* p = row + b * 34;
-      const __m512 d = _mm512_set1_ps(half_at(p));
+      const __m512 d = _mm512_broadcastss_ps(half2_at(p));
       const __m512 q0 = _mm512_cvtepi32_ps(
           _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2))));
       const __m512 q1 = _mm512_cvtepi32_ps(
@@ -112,16 +126,22 @@ static inline void row_dot_avx512(int64_t method, const uint8_t* row, float scal
         const float* xb = x + m * K + b * BLOCK;
         const __m512 qx = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xb + 16),
                                           _mm512_mul_ps(q0, _mm512_loadu_ps(xb)));
-        acc[b & 1][m] = _mm512_fmadd_ps(qx, d, acc[b & 1][m]);
+        a[m] = _mm512_fmadd_ps(qx, d, a[m]);
       }
+    };
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+      block(b, acc[0]);
+      block(b + 1, acc[1]);
     }
+    if (b < blocks) block(b, acc[0]);
   } else {  // int8: one scale per row, applied once at the end
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
       const __m512 q = _mm512_cvtepi32_ps(
           _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k))));
       for (int m = 0; m < M; ++m)
-        acc[(k >> 4) & 1][m] = _mm512_fmadd_ps(q, _mm512_loadu_ps(x + m * K + k), acc[(k >> 4) & 1][m]);
+        acc[0][m] = _mm512_fmadd_ps(q, _mm512_loadu_ps(x + m * K + k), acc[0][m]);
     }
     for (int m = 0; m < M; ++m) {  // the tail of a row not a multiple of 16
       float tail = 0.f;
