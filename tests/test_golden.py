@@ -60,11 +60,16 @@ def test_golden_greedy(stage_name: str, model: str):
     assert not problems, f"{stage_name} on {model}:\n" + "\n".join(problems)
 
 
-@pytest.mark.parametrize("model", GOLDEN_MODELS)
-@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+# NGRAM drafts only from text that repeats: the tiny random checkpoints never repeat a bigram in their golden
+# outputs, so there it would verify nothing (plain decoding, which test_golden_greedy checks already)
+SPECULATIVE_CASES = [("NGRAM", "smollm2-135m-instruct")] + [("STANDALONE", m) for m in GOLDEN_MODELS]
+
+
+@pytest.mark.parametrize("algorithm,model", SPECULATIVE_CASES)
 def test_golden_greedy_with_speculative_decoding(algorithm: str, model: str, monkeypatch):
     """Stage 9's speculative decoding is exact under greedy: NGRAM drafts, and a STANDALONE draft model (tiny-llama,
-    SmolLM2's vocabulary: itself for tiny-llama, a random guesser for the others), give the reference's tokens."""
+    SmolLM2's vocabulary: itself for tiny-llama, a random guesser for the others), give the reference's tokens; every
+    case verifies drafts."""
     import stage9_moe
 
     golden = load_golden(model)
@@ -78,8 +83,7 @@ def test_golden_greedy_with_speculative_decoding(algorithm: str, model: str, mon
         worker = llm.scheduler.speculative
     problems = failures(results, golden)
     assert not problems, f"{algorithm} speculation on {model}:\n" + "\n".join(problems)
-    if algorithm == "STANDALONE" or model == "smollm2-135m-instruct":  # random tiny models never repeat a bigram
-        assert worker.num_drafted > 0, "no draft was verified: the test would prove nothing"
+    assert worker.num_drafted > 0, "no draft was verified: the test would prove nothing"
 
 
 BEAM_STAGES = [s for s in STAGES if stage_number(s) in (6, 9)]  # where beam search arrives, and the last stage
