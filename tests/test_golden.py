@@ -86,6 +86,25 @@ def test_golden_greedy_with_speculative_decoding(algorithm: str, model: str, mon
     assert worker.num_drafted > 0, "no draft was verified: the test would prove nothing"
 
 
+def test_golden_greedy_with_speculative_decoding_at_tp_2():
+    """The same at tensor parallelism 2 (every rank drafts, verifies and accepts the same tokens, checked by
+    enable_tp_sync_check): tiny-llama with itself as the STANDALONE draft, four prompts a batch (a CPU batch of
+    more than speculative.worker.CPU_MAX_BATCH decodes without drafts)."""
+    import stage9_moe
+
+    golden = load_golden("tiny-llama")
+    path = str(resolve_model("tiny-llama"))
+    params = stage9_moe.SamplingParams(max_new_tokens=golden["max_new_tokens"], temperature=0.0)
+    prompts = [c["prompt"] for c in golden["cases"]]
+    with stage9_moe.LLM(path, dtype="float32", verbose=False, tp_size=2, attention_backend="torch",
+                        max_total_tokens=8192, enable_tp_sync_check=True, speculative_algorithm="STANDALONE",
+                        speculative_draft_model_path=path) as llm:
+        results = llm.generate(prompts[:4], params) + llm.generate(prompts[4:], params)
+        assert llm.scheduler.speculative.num_accepted > 0, "no draft was accepted: the test would prove nothing"
+    problems = failures(results, golden)
+    assert not problems, "STANDALONE speculation at tp 2 on tiny-llama:\n" + "\n".join(problems)
+
+
 BEAM_STAGES = [s for s in STAGES if stage_number(s) in (6, 9)]  # where beam search arrives, and the last stage
 
 
