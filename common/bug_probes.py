@@ -301,10 +301,12 @@ def json_whitespace_endless(pkg):
     return "length" in reasons, f"json_schema answers end with {reasons}"
 
 
-def detokenizer_ignores_sigterm(pkg):
+def sigterm_detokenizer(pkg, wait: float) -> tuple[bool, int | None]:
+    """Start the stage's detokenizer worker (forked: the stage is imported already), send it SIGTERM
+    once it is in its loop, wait up to `wait` s -> (still alive, exit status). The launcher stops a
+    server's children this way; each must leave by itself."""
     import multiprocessing as mp
     import os
-    import shutil
     import signal
     import time
 
@@ -315,17 +317,21 @@ def detokenizer_ignores_sigterm(pkg):
                         args=(str(tiny()), ports, there), daemon=True)
     child.start()
     try:
-        here.poll(60) and here.recv()
-        time.sleep(0.5)
+        assert here.poll(60) and here.recv()[0] == "ready", "the detokenizer worker did not start"
+        time.sleep(0.5)  # in its loop
         os.kill(child.pid, signal.SIGTERM)
-        child.join(10)
-        alive = child.is_alive()
-        return alive, f"10 s after SIGTERM the detokenizer worker is {'still running' if alive else 'gone'}"
+        child.join(wait)
+        return child.is_alive(), child.exitcode
     finally:
         if child.is_alive():
             child.kill()
             child.join()
-        shutil.rmtree(os.path.dirname(ports.api_ipc_name.removeprefix("ipc://")), ignore_errors=True)
+        shutil.rmtree(Path(ports.api_ipc_name.removeprefix("ipc://")).parent, ignore_errors=True)
+
+
+def detokenizer_ignores_sigterm(pkg):
+    alive, _ = sigterm_detokenizer(pkg, 10)
+    return alive, f"10 s after SIGTERM the detokenizer worker is {'still running' if alive else 'gone'}"
 
 
 def topk_mixes_tokens(pkg):

@@ -37,10 +37,11 @@ START_TIMEOUT_S, STOP_WAIT_S = 120.0, 30.0
 def cmd_grammar(args) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
+    from common.bug_probes import sub
     from common.diagnose import stage_package
 
     pkg = stage_package(args.stage, args.copy)
-    constrained = importlib_sub(pkg, "constrained")
+    constrained = sub(pkg, "constrained")
     path = str(resolve_model(args.model))
     hf = AutoTokenizer.from_pretrained(path)
     vocab = AutoConfig.from_pretrained(path).vocab_size
@@ -88,12 +89,6 @@ def allowed(backend, matcher, token: int) -> bool:
     mask = backend.allocate_mask(1)  # [1, ceil(vocab / 32)] int32
     matcher.fill_next_token_bitmask(mask, 0)
     return bool((int(mask[0, token // 32]) >> (token % 32)) & 1)
-
-
-def importlib_sub(pkg, name: str):
-    import importlib
-
-    return importlib.import_module(f"{pkg.__name__}.{name}")
 
 
 # ---------------------------------------------------------------- the server's processes

@@ -3,13 +3,7 @@ server processes that leave on SIGTERM."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import multiprocessing as mp
-import os
-import shutil
-import signal
-import time
 
 STAGE = "stage8_server"
 SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -30,27 +24,11 @@ def test_json_schema_answers_finish_and_parse(stage):
         assert set(answer) == {"name", "age"}, out.text
 
 
-def test_the_detokenizer_worker_leaves_on_sigterm(stage, tiny_llama_path):
+def test_the_detokenizer_worker_leaves_on_sigterm(stage):
     """The launcher stops the server with SIGTERM to each child: the child must exit by itself
     (status 0), not wait for the SIGKILL that follows 5 s later."""
-    messages = importlib.import_module(f"{stage.__name__}.server.messages")
-    worker = importlib.import_module(f"{stage.__name__}.server.detokenizer_worker")
-    ports = messages.PortArgs.new()
-    ctx = mp.get_context("fork")  # the stage is imported already: the child starts at once
-    here, there = ctx.Pipe()
-    child = ctx.Process(target=worker.run_detokenizer_worker,
-                        args=(str(tiny_llama_path), ports, there), daemon=True)
-    child.start()
-    try:
-        assert here.poll(60) and here.recv()[0] == "ready"
-        time.sleep(0.5)  # in its loop
-        os.kill(child.pid, signal.SIGTERM)
-        child.join(20)
-        assert not child.is_alive(), "the detokenizer worker is still running 20 s after SIGTERM"
-        assert child.exitcode == 0, f"exit status {child.exitcode}"
-    finally:
-        if child.is_alive():
-            child.kill()
-            child.join()
-        shutil.rmtree(os.path.dirname(ports.api_ipc_name.removeprefix("ipc://")),
-                      ignore_errors=True)
+    from common.bug_probes import sigterm_detokenizer
+
+    alive, status = sigterm_detokenizer(stage, 20)
+    assert not alive, "the detokenizer worker is still running 20 s after SIGTERM"
+    assert status == 0, f"exit status {status}"
