@@ -263,9 +263,10 @@ def main(argv: list[str] | None = None) -> None:
     offline.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     offline.add_argument("--repeats", type=int, default=2, help="with --peers: best of this many runs each")
     offline.add_argument("--batch1-tokens", type=int, default=128, help="with --peers: tokens of batch-1 decode")
-    offline.add_argument("--quantization", choices=["q4_1"], default=None,
-                         help="with --peers: the course's stages load SmolLM2's Q4_1 GGUF file with this "
-                              "quantization (stage 9), llama.cpp runs the same file; float32 activations")
+    offline.add_argument("--quantization", nargs="+", choices=["q4_1", "q4_1_a8"], default=None,
+                         help="with --peers: the course's stages load SmolLM2's Q4_1 GGUF file with each of "
+                              "these quantizations in turn (stage 9; q4_1: float32 activations, q4_1_a8: "
+                              "rounded to int8 per block, as llama.cpp does), llama.cpp runs the same file")
     overlap = sub.add_parser("overlap", help="stage 5 overlap scheduling on vs off (CPU)")
     overlap.add_argument("--model", default="smollm2-135m-instruct")
     overlap.add_argument("--num-requests", type=int, default=32)

@@ -231,7 +231,8 @@ def bench_peers(args) -> None:
 
     folder = resolve_model(args.model)
     path = str(folder)
-    quantization = getattr(args, "quantization", None)
+    quantizations = getattr(args, "quantization", None) or []
+    quantization = quantizations[0] if quantizations else None
     if quantization:  # the GGUF file itself, for the course (its blocks kept) and llama.cpp alike
         from common.models import _find_gguf
 
@@ -256,13 +257,16 @@ def bench_peers(args) -> None:
                 options = course_options(stage_name, args.attention_backend, args.num_requests, not args.no_compile)
                 compiled = " +compile" if options.get("enable_torch_compile") else ""
                 label = f"{stage_name} {options.get('attention_backend', 'default')}{compiled}"
-            if quantization:
-                options, label = {**options, "quantization": quantization}, f"{label} {quantization}"
-            start = time.perf_counter()
-            r = run_course(stage_name, gguf_file if quantization else path, dtype, work, batch1, args.repeats,
-                           options)
-            rows.append({"system": label, "dtype": dtype, **r})
-            print(f"   {label} {dtype}: done ({time.perf_counter() - start:.0f} s with start-up)", flush=True)
+            for q in quantizations or [None]:  # each quantization asked for, one after the other
+                run_options, run_label = options, label
+                if q:
+                    run_options, run_label = {**options, "quantization": q}, f"{label} {q}"
+                start = time.perf_counter()
+                r = run_course(stage_name, gguf_file if q else path, dtype, work, batch1, args.repeats,
+                               run_options)
+                rows.append({"system": run_label, "dtype": dtype, **r})
+                print(f"   {run_label} {dtype}: done ({time.perf_counter() - start:.0f} s with start-up)",
+                      flush=True)
         for peer in args.peers:
             if peer == "llama.cpp" and dtype != "float32":
                 continue  # the F32 GGUF: the course's weights unquantised
@@ -274,7 +278,8 @@ def bench_peers(args) -> None:
             if peer == "llama.cpp":
                 request["gguf"] = gguf_file if quantization else str(ensure_gguf(args.model, folder))
             r = run_peer(peer, request)
-            system = f"{peer} {quantization}" if quantization and peer == "llama.cpp" else peer  # the same file
+            # the same file (llama.cpp rounds activations to int8 per block itself: its Q8_1)
+            system = f"{peer} {quantization.removesuffix('_a8')}" if quantization and peer == "llama.cpp" else peer
             rows.append({"system": system, "dtype": dtype, "weight_bytes": rows[-1]["weight_bytes"], **r})
             print(f"   {peer} {dtype}: done (start-up {r['startup_s']:.0f} s, not timed)", flush=True)
     print_peer_table(rows, work.output_tokens, args.batch1_tokens)

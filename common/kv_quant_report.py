@@ -1,8 +1,10 @@
 """How much a quantized KV cache (stage 9's `kv_cache_dtype`, part 9.10) changes the greedy tokens, and
-how many more tokens the same memory holds.
+how many more tokens the same memory holds; with --quantizations, the same for quantized weights and
+activations (parts 9.8 and 9.12: SmolLM2's own Q4_1 file, which dequantizes exactly to the float weights).
 
     python -m common.kv_quant_report [--model smollm2-135m-instruct] [--dtype float32]
                                      [--kv-cache-dtypes int8 fp8_e4m3] [--max-new-tokens 64]
+                                     [--quantizations q4_1 q4_1_a8]
 
 Against the same engine with the float cache (kv_cache_dtype auto), on the golden prompts
 (tests/golden/<model>.json) and a held-out workload (prompts the golden files do not contain: 8 cut
@@ -63,14 +65,19 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
                 None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def make_llm(model_path: Path, dtype: str, kv_cache_dtype: str, backend: str | None):
+def make_llm(model_path: Path, dtype: str, kv_cache_dtype: str, backend: str | None,
+             quantization: str | None = None):
     stage = importlib.import_module(STAGE)
+    if quantization:  # the GGUF file's blocks: SmolLM2's Q4_1 file, the float folder's source
+        from common.models import _find_gguf
+
+        model_path = _find_gguf()
     return stage.LLM(str(model_path), device="cpu", dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                     attention_backend=backend, max_total_tokens=16384)
+                     attention_backend=backend, max_total_tokens=16384, quantization=quantization)
 
 
 def measure(model: str, dtype: str, kv_dtypes: list[str], max_new_tokens: int,
-            backend: str | None) -> list[dict]:
+            backend: str | None, quantizations: tuple[str, ...] = ()) -> list[dict]:
     stage = importlib.import_module(STAGE)
     path = resolve_model(model)
     params = stage.SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
@@ -86,8 +93,9 @@ def measure(model: str, dtype: str, kv_dtypes: list[str], max_new_tokens: int,
     float_llm.close()
     rows = [dict(kv="auto", workload=name, agree=1.0, diverge=["-"] * len(prompts),
                  bytes=float_bytes) for name, prompts in sets.items()]
-    for kv in kv_dtypes:
-        llm = make_llm(path, dtype, kv, backend)
+    variants = [(kv, None) for kv in kv_dtypes] + [("auto", q) for q in quantizations]
+    for kv, quantization in variants:
+        llm = make_llm(path, dtype, kv, backend, quantization)
         for name, prompts in sets.items():
             outs = llm.generate([ids for _, ids in prompts], params)
             same = total = 0
@@ -98,19 +106,20 @@ def measure(model: str, dtype: str, kv_dtypes: list[str], max_new_tokens: int,
                 total += len(ref_top1)
                 step = first_divergence(o.token_ids, ref_out)
                 diverge.append("-" if step is None else str(step))
-            rows.append(dict(kv=kv, workload=name, agree=same / total, diverge=diverge,
+            label = kv if quantization is None else f"quantization={quantization}"
+            rows.append(dict(kv=label, workload=name, agree=same / total, diverge=diverge,
                              bytes=llm.engine.kv_plan.bytes_per_token))
         llm.close()
     return rows
 
 
 def format_table(rows: list[dict], float_bytes: int) -> str:
-    lines = [f"{'kv_cache_dtype':<15}{'workload':<10}{'top-1 agree':>12}{'bytes/token':>13}"
+    lines = [f"{'kv_cache_dtype':<25}{'workload':<10}{'top-1 agree':>12}{'bytes/token':>13}"
              f"{'tokens/GiB':>12}  first divergence per prompt"]
     for r in rows:
-        lines.append(f"{r['kv']:<15}{r['workload']:<10}{r['agree']:>11.1%}{r['bytes']:>13}"
+        lines.append(f"{r['kv']:<25}{r['workload']:<10}{r['agree']:>11.1%}{r['bytes']:>13}"
                      f"{(1 << 30) // r['bytes']:>12}  {' '.join(r['diverge'])}"
-                     + (f"  ({float_bytes / r['bytes']:.2f}x tokens)" if r["kv"] != "auto" else ""))
+                     + (f"  ({float_bytes / r['bytes']:.2f}x tokens)" if r["bytes"] != float_bytes else ""))
     return "\n".join(lines)
 
 
@@ -119,14 +128,16 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--kv-cache-dtypes", nargs="+", default=["int8", "fp8_e4m3"])
+    parser.add_argument("--kv-cache-dtypes", nargs="*", default=["int8", "fp8_e4m3"])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--quantizations", nargs="*", default=[],
+                        help="also quantized weights (SmolLM2's GGUF file), e.g. q4_1 q4_1_a8")
     args = parser.parse_args(argv)
     rows = measure(args.model, args.dtype, args.kv_cache_dtypes, args.max_new_tokens,
-                   args.attention_backend)
+                   args.attention_backend, tuple(args.quantizations))
     print(f"{args.model}, {args.dtype} weights, {args.max_new_tokens} greedy tokens per prompt; "
-          "against the float cache (auto)")
+          "against the float engine (float weights, kv_cache_dtype auto)")
     print(format_table(rows, rows[0]["bytes"]))
 
 

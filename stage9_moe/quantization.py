@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANT_METHODS = ("q4_1", "q8_0", "int8")
-GGUF_METHODS = {"q4_1": "Q4_1", "q8_0": "Q8_0"}  # kept as the file's own blocks
+QUANT_METHODS = ("q4_1", "q8_0", "int8", "q4_1_a8", "q8_0_a8")
+# kept as the file's own blocks; *_a8: activations rounded to int8 too (9.12, kernels/quant_a8.py)
+GGUF_METHODS = {"q4_1": "Q4_1", "q8_0": "Q8_0", "q4_1_a8": "Q4_1", "q8_0_a8": "Q8_0"}
 BLOCK = 32  # weights per block
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 
@@ -50,6 +51,7 @@ class QuantizedWeight(nn.Module):
         super().__init__()
         self.method, self.in_features, self.out_features = method, in_features, data.shape[0]
         self.dtype = dtype
+        self.int8_activations = False  # part 9.12: x rounded to int8 per block (q4_1_a8, q8_0_a8)
         self.register_buffer("data", data.contiguous())
         self.register_buffer("scales", scales)
 
@@ -208,6 +210,14 @@ def quantize_model(model: nn.Module, method: str, model_path: Path) -> int:
     from .kernels.quant import cpu_unavailable_reason
 
     cpu_unavailable_reason()  # builds the CPU kernels now (or learns why not), not mid-forward
+    int8_activations = method.endswith("_a8")
+    if int8_activations:  # part 9.12's kernels too (without them: x rounded, the exact paths)
+        from .kernels.quant_a8 import load_cpu
+
+        try:
+            load_cpu()
+        except RuntimeError:
+            pass
     blocks = gguf_blocks(model, model_path) if method in GGUF_METHODS else {}
     count = 0
     for name, module in linear_modules(model):
@@ -223,6 +233,7 @@ def quantize_model(model: nn.Module, method: str, model_path: Path) -> int:
                                         "weights loaded from them")
         else:
             continue  # a float tensor in the file (checked by check_quantization for the layers)
+        qweight.int8_activations = int8_activations
         set_weight(module, qweight)
         count += 1
     return count

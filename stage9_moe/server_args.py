@@ -155,7 +155,9 @@ class ServerArgs:
     # Quantized weights (quantization.py): fewer bytes per weight, fewer bytes read per token
     quantization: str | None = option(
         None, "linear layers' weights: q4_1 / q8_0 = a GGUF file's own blocks, kept as they are; "
-        "int8 = weight-only int8 per output row, from any float checkpoint", choices=QUANT_METHODS)
+        "int8 = weight-only int8 per output row, from any float checkpoint; q4_1_a8 / q8_0_a8 = "
+        "those blocks times activations rounded to int8 per block, as llama.cpp (lossy, faster)",
+        choices=QUANT_METHODS)
     # Speculative decoding (speculative/): draft k tokens, verify them in one pass of the model
     speculative_algorithm: str | None = option(
         None, "NGRAM: drafts copied from the request's own prompt and output; STANDALONE: a small "

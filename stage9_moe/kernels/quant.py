@@ -84,15 +84,23 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
     """x [N, in] @ W^T (+ b) for a quantized W: the fastest path that runs here."""
     from . import current_backend, use_triton
 
+    dtype = x.dtype
+    if weight.int8_activations:  # part 9.12 (quant_a8.py): x rounded to int8 per block first
+        from .quant_a8 import gemv_a8, round_activations
+
+        out = gemv_a8(x, weight, bias)  # the CPU's integer kernel; None where it does not run
+        if out is not None:
+            return out
+        x = round_activations(x)  # float32, for the exact paths below
     if use_triton(x):  # a GPU (or the interpreter, when forced)
         from .triton_quant import triton_quantized_linear
 
-        return triton_quantized_linear(x, weight, bias)
+        return triton_quantized_linear(x, weight, bias).to(dtype)
     # _ops: built when the model was quantized (quantize_model), so that a compiled decode
     # (graph.py) traces no build, only the operator call
     if x.device.type == "cpu" and current_backend() in ("auto", "cpu") and _ops:
-        return cpu_quantized_linear(x, weight, bias)
-    return quantized_linear_ref(x, weight, bias)
+        return cpu_quantized_linear(x, weight, bias).to(dtype)
+    return quantized_linear_ref(x, weight, bias).to(dtype)
 
 
 def quantized_embedding(input_ids: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
