@@ -108,51 +108,70 @@ static inline __m512i q4_1_pair(const uint8_t* p) {  // block b at p, b+1 at p +
   return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
 }
 
-static inline __m128 q4_1_pair_dm(const uint8_t* p) {  // [d_b, m_b, d_b+1, m_b+1], by F16C
-  int32_t first, second;
-  std::memcpy(&first, p, 4);
-  std::memcpy(&second, p + 20, 4);
-  return _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(first), second, 1));
+static inline int32_t bytes4(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
-// M rows of x against one q4_1 weight row. Per pair of blocks: one vpdpbusd (64 products into
-// 16 int32: lanes 0-3 and 8-11 are block b's, 4-7 and 12-15 block b+1's), each lane scaled by
-// its block's d * dx; the m * s terms add up in lanes 1 and 3 of `offset`.
+// The d and m of `count` (2 or 4) blocks from p on, by F16C: [d_b, m_b, d_b+1, m_b+1, ...]
+static inline __m256 q4_1_dm(const uint8_t* p, int count) {
+  __m128i halves = _mm_insert_epi32(_mm_cvtsi32_si128(bytes4(p)), bytes4(p + 20), 1);
+  if (count == 4)
+    halves = _mm_insert_epi32(_mm_insert_epi32(halves, bytes4(p + 40), 2), bytes4(p + 60), 3);
+  return _mm256_cvtph_ps(halves);
+}
+
+// M rows of x against one q4_1 weight row, four blocks (two pairs) a step. Per pair: one vpdpbusd
+// (64 products into 16 int32: lanes 0-3 and 8-11 are the first block's, 4-7 and 12-15 the
+// second's), each lane scaled by its block's d * dx. The scales of four blocks come from one
+// conversion and one multiply; their m * s terms add up in the odd lanes of `offset`.
 template <int M>
 static void row_dot_q4_1(const uint8_t* row, const X8& x, int64_t m0, float* out) {
-  const __m512i lane_block = _mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0);
+  const __m512i first_pair = _mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0);
+  const __m512i second_pair = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 6, 6, 6, 6, 4, 4, 4, 4);
   __m512 acc[2][M];
-  __m128 offset[M];
+  __m256 offset[M];
   for (int m = 0; m < M; ++m) {
     acc[0][m] = acc[1][m] = _mm512_setzero_ps();
-    offset[m] = _mm_setzero_ps();
+    offset[m] = _mm256_setzero_ps();
   }
-  auto pair = [&](int64_t b, __m512* a) {
+  // blocks b .. b + 2 * pairs - 1 (pairs: 1 or 2)
+  auto step = [&](int64_t b, int pairs) {
     const uint8_t* p = row + b * 20;
-    const __m128 dm = q4_1_pair_dm(p);
-    const __m512i w = q4_1_pair(p);
+    const __m256 dm = q4_1_dm(p, 2 * pairs);
+    const __m512i w0 = q4_1_pair(p);
+    const __m512i w1 = pairs == 2 ? q4_1_pair(p + 40) : w0;
     for (int m = 0; m < M; ++m) {
       const int64_t xb = (m0 + m) * x.blocks + b;
-      const __m128 scales = _mm_mul_ps(dm, _mm_loadu_ps(x.meta + 2 * xb));  // d dx, m s, ...
-      offset[m] = _mm_add_ps(offset[m], scales);
-      const __m512i xq = _mm512_loadu_si512(x.pairs + xb * BLOCK);
-      const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xq);
-      const __m512 lane_scales = _mm512_permutexvar_ps(lane_block, _mm512_castps128_ps512(scales));
-      a[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), lane_scales, a[m]);
+      const __m256 meta = pairs == 2 ? _mm256_loadu_ps(x.meta + 2 * xb)
+                                     : _mm256_zextps128_ps256(_mm_loadu_ps(x.meta + 2 * xb));
+      const __m256 scales = _mm256_mul_ps(dm, meta);  // d dx, m s, d dx, m s, ...
+      const __m256 used = pairs == 2 ? scales  // one pair: the upper lanes hold no block
+                                     : _mm256_zextps128_ps256(_mm256_castps256_ps128(scales));
+      offset[m] = _mm256_add_ps(offset[m], used);
+      const __m512 wide = _mm512_castps256_ps512(scales);
+      const __m512i x0 = _mm512_loadu_si512(x.pairs + xb * BLOCK);
+      acc[0][m] = _mm512_fmadd_ps(
+          _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, x0)),
+          _mm512_permutexvar_ps(first_pair, wide), acc[0][m]);
+      if (pairs == 2) {
+        const __m512i x1 = _mm512_loadu_si512(x.pairs + (xb + 2) * BLOCK);
+        acc[1][m] = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w1, x1)),
+            _mm512_permutexvar_ps(second_pair, wide), acc[1][m]);
+      }
     }
   };
   int64_t b = 0;
-  for (; b + 4 <= x.blocks; b += 4) {
-    pair(b, acc[0]);
-    pair(b + 2, acc[1]);
-  }
-  if (b + 2 <= x.blocks) pair(b, acc[0]), b += 2;
+  for (; b + 4 <= x.blocks; b += 4) step(b, 2);
+  if (b + 2 <= x.blocks) step(b, 1), b += 2;
   for (int m = 0; m < M; ++m) {
-    alignas(16) float lanes[4];
-    _mm_store_ps(lanes, offset[m]);
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, offset[m]);
     const float tail = b < x.blocks ? block_dot(Q4_1, row, x, m0 + m, b) : 0.f;  // odd last block
     const float products = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]));
-    out[m] = products + (lanes[1] + lanes[3]) + tail;
+    out[m] = products + ((lanes[1] + lanes[3]) + (lanes[5] + lanes[7])) + tail;
   }
 }
 
