@@ -32,7 +32,7 @@ from .kv_quant import is_quantized
 from .layers import gemv_copy_bytes, pack_linear_weights
 from .models import ModelConfig, build_model, replicated_bytes
 from .moe import set_moe_runner_backend
-from .quantization import QuantizedWeight, check_quantization, quantize_model
+from .quantization import QuantizedWeight, check_quantization, gguf_block_tensors, quantize_model
 from .tokenizer import read_eos_token_ids
 from .distributed import SINGLE, TPInfo, min_over_ranks
 from .weights import load_dummy_weights, load_weights
@@ -287,8 +287,9 @@ class Engine:
         self.config = cfg = self.model.config  # the family's view (e.g. Qwen2 adds qkv_bias)
         if load_format == "dummy":
             self.load_stats = load_dummy_weights(self.model)
-        else:
-            self.load_stats = load_weights(self.model, model_path, progress=progress)
+        else:  # a GGUF's blocks kept as they are are read by quantize_model, never as floats
+            kept = gguf_block_tensors(self.model, model_path, quantization)
+            self.load_stats = load_weights(self.model, model_path, progress, skip_gguf=kept)
         if quantization is not None:  # linear weights replaced by their quantized form
             quantize_model(self.model, quantization, model_path)
         # On a CPU, oneDNN's layout for every matmul weight (layers.py): the same products, faster

@@ -247,9 +247,11 @@ def plan_gguf(model: nn.Module, reader, config: dict, path: Path) -> dict:
     return plan
 
 
-def load_gguf_weights(model: nn.Module, model_path: Path, stats) -> object:
+def load_gguf_weights(model: nn.Module, model_path: Path, stats,
+                      skip: frozenset[str] = frozenset()) -> object:
     """Fill every parameter of `model` from the GGUF file behind `model_path` (a gguf_folder).
-    `stats` is the caller's LoadStats, filled and returned."""
+    `stats` is the caller's LoadStats, filled and returned. `skip`: GGUF tensors left unread (stage
+    9: quantized weights kept as the file's blocks, never dequantized; quantization.py)."""
     from .layers import default_weight_loader
 
     start = time.perf_counter()
@@ -260,7 +262,7 @@ def load_gguf_weights(model: nn.Module, model_path: Path, stats) -> object:
     params = dict(model.named_parameters())
     stats.files = 1
     for t in reader.tensors:
-        if t.name not in plan:
+        if t.name not in plan or t.name in skip:
             continue
         param_name, shard_id, ckpt = plan[t.name]
         tensor = dequantize(t)  # [out, in] float32

@@ -160,23 +160,46 @@ def check_quantization(method: str | None, model_path: Path, tp_size: int = 1) -
             "multiple of 32 cannot be; pass the quantization the file holds)")
 
 
-def gguf_blocks(model: nn.Module, model_path: Path) -> dict[nn.Module, tuple[str, torch.Tensor]]:
-    """{module: (method, uint8 blocks [out, bytes])} read from the GGUF file, each merged
-    layer's parts stacked in its rows, llama.cpp's q/k row order undone (rows of blocks move
-    whole)."""
-    from .gguf_loader import gguf_source, open_gguf, permuted_heads, plan_gguf, unpermute_rows
+def _block_plan(model: nn.Module, model_path: Path) -> tuple[dict, list]:
+    """The model's config and [(GGUF tensor, module name, shard_id, checkpoint name)] of every
+    tensor kept as blocks: a Q4_1/Q8_0 tensor that a linear layer (or tied LM head) loads."""
+    from .gguf_loader import gguf_source, open_gguf, plan_gguf
 
     source = gguf_source(model_path)
     reader = open_gguf(source)
     config = json.loads((Path(model_path) / "config.json").read_text())
     plan = plan_gguf(model, reader, config, source)
+    linear = {id(m) for _, m in linear_modules(model)}
     modules = dict(model.named_modules())
-    parts: dict[str, list] = {}
+    kept = []
     for t in reader.tensors:
         if t.name not in plan or t.tensor_type.name not in GGUF_METHODS.values():
             continue
         param_name, shard_id, ckpt = plan[t.name]
         module_name = param_name.removesuffix(".weight")
+        if id(modules[module_name]) in linear:
+            kept.append((t, module_name, shard_id, ckpt))
+    return config, kept
+
+
+def gguf_block_tensors(model: nn.Module, model_path: Path, method: str | None) -> frozenset[str]:
+    """The GGUF tensors that stay blocks under `method`: the float loader leaves them unread
+    (weights.py), so the float weight of a quantized layer is never built."""
+    if method not in GGUF_METHODS:
+        return frozenset()
+    return frozenset(t.name for t, *_ in _block_plan(model, model_path)[1])
+
+
+def gguf_blocks(model: nn.Module, model_path: Path) -> dict[nn.Module, tuple[str, torch.Tensor]]:
+    """{module: (method, uint8 blocks [out, bytes])} read from the GGUF file, each merged
+    layer's parts stacked in its rows, llama.cpp's q/k row order undone (rows of blocks move
+    whole)."""
+    from .gguf_loader import permuted_heads, unpermute_rows
+
+    config, kept = _block_plan(model, model_path)
+    modules = dict(model.named_modules())
+    parts: dict[str, list] = {}
+    for t, module_name, shard_id, ckpt in kept:
         rows = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # [out, bytes], a copy
         heads = permuted_heads(config, ckpt)
         if heads is not None:
@@ -204,9 +227,9 @@ def set_weight(module: nn.Module, weight: QuantizedWeight) -> None:
 
 
 def quantize_model(model: nn.Module, method: str, model_path: Path) -> int:
-    """Replace every linear layer's float weight (loaded already) by its quantized form. GGUF
-    blocks are checked to dequantize to exactly the float weight loaded from them. Returns the
-    number of weights quantized."""
+    """Replace every linear layer's float weight by its quantized form: int8 from the loaded float
+    weight; q4_1 / q8_0 from the file's blocks (the float weight was never loaded: engine.py skips
+    those tensors). Returns the number of weights quantized."""
     from .kernels.quant import cpu_unavailable_reason
 
     cpu_unavailable_reason()  # builds the CPU kernels now (or learns why not), not mid-forward
@@ -228,9 +251,9 @@ def quantize_model(model: nn.Module, method: str, model_path: Path) -> int:
             block_method, data = blocks[module]
             qweight = QuantizedWeight(block_method, data.to(weight.device), weight.shape[1],
                                       dtype=weight.dtype)
-            if not torch.equal(qweight.dequantize().to(weight.dtype), weight):
-                raise QuantizationError(f"{name}: the GGUF blocks do not dequantize to the "
-                                        "weights loaded from them")
+            if qweight.out_features != weight.shape[0]:
+                raise QuantizationError(f"{name}: {qweight.out_features} rows of blocks for a "
+                                        f"weight of {weight.shape[0]} rows")
         else:
             continue  # a float tensor in the file (checked by check_quantization for the layers)
         qweight.int8_activations = int8_activations

@@ -280,11 +280,13 @@ class LazyTensor:
         return tensor
 
 
-def load_weights(model: nn.Module, model_path: Path, progress: bool | None = None) -> LoadStats:
+def load_weights(model: nn.Module, model_path: Path, progress: bool | None = None,
+                 skip_gguf: frozenset[str] = frozenset()) -> LoadStats:
     """Fill every parameter of `model` (this rank's shard of it) from the checkpoint folder.
-    progress: show a tqdm bar (None: if stderr is a terminal)."""
+    progress: show a tqdm bar (None: if stderr is a terminal). skip_gguf: tensors of a GGUF file
+    left unread (stage 9's quantized weights, read as blocks by quantization.py)."""
     if gguf_source(model_path) is not None:  # a GGUF file's metadata folder: its own loader
-        return load_gguf_weights(model, Path(model_path), LoadStats())
+        return load_gguf_weights(model, Path(model_path), LoadStats(), skip_gguf)
     start = time.perf_counter()
     files = find_checkpoint_files(Path(model_path))
     plan, total_bytes = plan_load(model, files)

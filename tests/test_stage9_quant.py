@@ -164,6 +164,23 @@ def test_the_model_runs_the_kernels_not_the_reference(monkeypatch):
     assert all(len(r.token_ids) == 4 for r in out)
 
 
+def test_gguf_blocks_are_kept_as_read_never_dequantized(monkeypatch):
+    """q4_1 on SmolLM2's file: the float loader leaves the 211 block tensors (210 Q4_1 and the tied
+    Q8_0 embedding) unread, so no float copy of a quantized layer is ever built; it dequantizes
+    only the 61 float32 norms."""
+    from stage9_moe import gguf_loader
+
+    seen = []
+    dequantize = gguf_loader.dequantize
+    monkeypatch.setattr(gguf_loader, "dequantize",
+                        lambda t: seen.append(t.tensor_type.name) or dequantize(t))
+    with LLM(str(_find_gguf()), verbose=False, quantization="q4_1") as llm:
+        stats = llm.engine.load_stats
+        quantized = [m for m in llm.engine.model.modules() if isinstance(m, QuantizedWeight)]
+    assert seen == ["F32"] * 61, sorted(set(seen))
+    assert stats.tensors == 61 and len(quantized) == 30 * 4 + 1
+
+
 def test_int8_keeps_most_greedy_tokens():
     """int8 of a float checkpoint is lossy: greedy tokens follow the float reference until a
     near-tie flips. Measured on SmolLM2's golden prompts (16 tokens each, 2-core AMD EPYC): 71 of
