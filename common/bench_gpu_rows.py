@@ -238,6 +238,16 @@ def all_threads():
         return None
 
 
+
+def timed_steps(sched, steps: int, dev: str) -> float:
+    """Seconds for `steps` scheduler steps, the last one's device work finished."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        sched.step()
+    sched.drain()
+    sync(dev)
+    return time.perf_counter() - start
+
 def profile_steps(sched, steps: int, dev: str) -> dict:
     """Run `steps` more decode steps under torch.profiler -> busy: the fraction of their wall time in which some
     GPU kernel ran (overlapping ones counted once; CUDA events around a step would count the GPU's waits for
@@ -251,12 +261,7 @@ def profile_steps(sched, steps: int, dev: str) -> dict:
     cuda = dev.startswith("cuda")
     activities = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
     with marking_steps(sched), profile(activities=activities, experimental_config=all_threads()) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            sched.step()
-        sched.drain()
-        sync(dev)
-        wall = time.perf_counter() - start
+        wall = timed_steps(sched, steps, dev)
     kind = DeviceType.CUDA if cuda else DeviceType.CPU
     events = prof.events()
     kernels = [e for e in events if e.device_type == kind and e.time_range.end > e.time_range.start

@@ -42,7 +42,7 @@ import torch
 
 from common.bench_gpu_rows import (STAGES, ModelShape, build_checkpoint, decode_bytes, floor_seconds, generate,
                                    make_scheduler, memory_verdict, nano_vllm_workload, profile_steps, stage_module,
-                                   union_length, write_json)
+                                   timed_steps, union_length, write_json)
 from common.bench_utils import copy_bandwidth, sync
 
 PARTS = ("decode", "overlap", "workload", "hf")
@@ -69,12 +69,7 @@ def decode_run(stage: str, engine, batch_size: int, prompt_len: int, steps: int,
     sync(dev)
     sched.timings.clear()
     replays = engine.num_graph_replays
-    start = time.perf_counter()
-    for _ in range(steps):
-        sched.step()
-    sched.drain()
-    sync(dev)
-    wall = time.perf_counter() - start
+    wall = timed_steps(sched, steps, dev)
     row = {"step_ms": 1e3 * wall / steps, "graph_replays": engine.num_graph_replays - replays, "steps": steps,
            "cpu_ms_per_step": 1e3 * sum(t.cpu_seconds for t in sched.timings if t.phase == "decode") / steps}
     if profile:  # few steps: a profile's records are slow to read
