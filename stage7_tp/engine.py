@@ -15,6 +15,7 @@ device in `future_tokens` (see scheduler.py).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -205,6 +206,16 @@ def plan_kv_pool(device: torch.device, bytes_per_token: int, page_size: int, max
     return KVPoolPlan(tokens // page_size, page_size, bytes_per_token, reason)
 
 
+
+def to_device(lists: list[list[int]], dtype: torch.dtype,
+              device: torch.device) -> list[torch.Tensor]:
+    """The step's index lists as tensors on `device`: one host buffer (pinned on CUDA) and one
+    copy that does not wait, instead of a blocking copy from pageable memory for each list (~10 us
+    of the host's time apiece on a GPU). The results are views of the one device buffer."""
+    flat = torch.tensor([x for xs in lists for x in xs], dtype=dtype,
+                        pin_memory=device.type == "cuda")
+    return list(flat.to(device, non_blocking=True).split([len(xs) for xs in lists]))
+
 class Engine:
 
     def __init__(self, model_path: str | Path, device: str = "cpu",
@@ -360,25 +371,27 @@ class Engine:
             last.append(len(input_ids) - 1)
         assert len(batch.out_cache_loc) == len(
             input_ids), "the scheduler must give every new token a KV slot"
-        dev = self.device
         prefix_lens = [r.cached_len for r in batch.reqs]
         seq_lens = [r.device_len for r in batch.reqs]
-        # noqa: E731
-        as_tensor = lambda xs, dtype=torch.int32: torch.tensor(xs, dtype=dtype, device=dev)
+        input_ids, positions, out_cache_loc, last_token_indices = to_device(
+            [input_ids, positions, batch.out_cache_loc, last], torch.long, self.device)
+        req_rows, prefix_lens_t, seq_lens_t, cu_seqlens = to_device(
+            [[r.table_idx for r in batch.reqs], prefix_lens, seq_lens,
+             [0, *itertools.accumulate(seqlens)]], torch.int32, self.device)
         fb = ForwardBatch(
             phase=batch.phase,
-            input_ids=as_tensor(input_ids, torch.long),  # [N]
-            positions=as_tensor(positions, torch.long),  # [N]
-            out_cache_loc=as_tensor(batch.out_cache_loc, torch.long),  # [N]
-            req_rows=as_tensor([r.table_idx for r in batch.reqs]),  # [B]
-            prefix_lens=as_tensor(prefix_lens),  # [B]
-            seq_lens=as_tensor(seq_lens),  # [B]
-            cu_seqlens=as_tensor([0] + seqlens).cumsum(0, dtype=torch.int32),  # [B+1]
+            input_ids=input_ids,  # [N]
+            positions=positions,  # [N]
+            out_cache_loc=out_cache_loc,  # [N]
+            req_rows=req_rows,  # [B]
+            prefix_lens=prefix_lens_t,  # [B]
+            seq_lens=seq_lens_t,  # [B]
+            cu_seqlens=cu_seqlens,  # [B+1]
             max_seqlen=max(seqlens),
             max_seq_len=max(seq_lens),
             prefix_lens_cpu=prefix_lens,
             seq_lens_cpu=seq_lens,
-            last_token_indices=as_tensor(last, torch.long),  # [B]
+            last_token_indices=last_token_indices,  # [B]
             kv_pool=self.kv_pool,
             page_table=self.page_table.table,
             attn_backend=self.attn_backend,
