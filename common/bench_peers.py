@@ -202,7 +202,11 @@ def run_course(stage_name: str, path: str, dtype: str, work, batch1, repeats: in
     llm = stage.LLM(path, dtype=dtype, verbose=False, **options)
     try:
         run_stage(stage_name, llm, warm_up(work))
-        runs = [run_stage(stage_name, llm, work) for _ in range(repeats)]
+        runs = []
+        for _ in range(repeats):  # each run cold: a repeat must not find its prompts in the prefix cache
+            if hasattr(llm, "flush_cache"):
+                llm.flush_cache()
+            runs.append(run_stage(stage_name, llm, work))
         one = Workload([batch1["prompt"]], [1])
         many = Workload([batch1["prompt"]], [1 + batch1["new_tokens"]])
         prefill = min(run_stage(stage_name, llm, one)[0] for _ in range(repeats))

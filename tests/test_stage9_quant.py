@@ -85,6 +85,9 @@ def test_round_activations_keeps_int8_per_block():
     assert torch.allclose(q, q.round(), atol=1e-3) and q.abs().max() <= 127 + 1e-3
     assert torch.equal(rounded[1, 1], torch.zeros(32))
     assert (rounded.reshape(3, 96) - x).abs().max() <= dx.max() / 2 + 1e-6
+    if not quant.cpu_unavailable_reason():  # the C++ rounding (paths of more rows): the same floats
+        quant_a8.load_cpu()
+        assert torch.equal(quant_a8.rounded(x), rounded.reshape(3, 96))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 20])  # the integer gemv (<= 16 rows), rounded x + tiles

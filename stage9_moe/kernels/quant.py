@@ -86,12 +86,12 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
 
     dtype = x.dtype
     if weight.int8_activations:  # part 9.12 (quant_a8.py): x rounded to int8 per block first
-        from .quant_a8 import gemv_a8, round_activations
+        from .quant_a8 import gemv_a8, rounded
 
         out = gemv_a8(x, weight, bias)  # the CPU's integer kernel; None where it does not run
         if out is not None:
             return out
-        x = round_activations(x)  # float32, for the exact paths below
+        x = rounded(x)  # float32, for the exact paths below
     if use_triton(x):  # a GPU (or the interpreter, when forced)
         from .triton_quant import triton_quantized_linear
 

@@ -8,7 +8,7 @@ and faster on a CPU whose float gemv is bound by instructions rather than bytes:
     product:        x W^T computed from xq * dx instead of x
 
     CPU, <= 16 rows   quant_a8_cpu.cpp: integer dots (AVX512-VNNI's vpdpbusd; plain C++ without it)
-    otherwise         x rounded here (`round_activations`), then kernels/quant.py's exact paths
+    otherwise         x rounded first (`rounded`), then kernels/quant.py's exact paths
 
 Both paths compute one function: the product of the rounded x with the dequantized weight, up to
 float32 rounding. How many greedy tokens it keeps is measured in tests/test_stage9_quant.py.
@@ -37,11 +37,19 @@ def load_cpu():
             _ops.append(torch.ops.sglz_quant_a8_cpu)
             torch.library.register_fake("sglz_quant_a8_cpu::quant_gemv_a8")(
                 lambda x, data, bias, method: x.new_empty(x.shape[0], data.shape[0]))
+            torch.library.register_fake("sglz_quant_a8_cpu::round_a8")(lambda x: torch.empty_like(x))
         except RuntimeError as e:
             _error.append(f"the CPU int8-activation kernels did not build: {e}")
     if _error:
         raise RuntimeError(_error[0])
     return _ops[0]
+
+
+def rounded(x: torch.Tensor) -> torch.Tensor:
+    """round_activations(x), by quant_a8_cpu.cpp in one pass on a CPU where it is built."""
+    if x.device.type == "cpu" and _ops:
+        return _ops[0].round_a8(x.float().contiguous())
+    return round_activations(x)
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:

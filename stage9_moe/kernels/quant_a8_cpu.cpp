@@ -271,10 +271,35 @@ torch::Tensor quant_gemv_a8(torch::Tensor x, torch::Tensor data, std::optional<t
   return out;
 }
 
-TORCH_LIBRARY(sglz_quant_a8_cpu, m) {
-  m.def("quant_gemv_a8(Tensor x, Tensor data, Tensor? bias, int method) -> Tensor");
+// x [M, K] float32 -> xq * dx per block of 32, the values the gemv multiplies: what the paths for
+// more rows multiply instead of x (quant_a8.py's round_activations, in one pass over x).
+torch::Tensor round_a8(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) % BLOCK == 0,
+              "x must be [M, K] float32 with K a multiple of ", BLOCK);
+  auto xc = x.contiguous();
+  auto out = torch::empty_like(xc);
+  const int64_t M = xc.size(0), K = xc.size(1), blocks = K / BLOCK;
+  const float* xp = xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    std::vector<int8_t> q(K);
+    std::vector<float> d(blocks), s(blocks);
+    for (int64_t m = begin; m < end; ++m) {
+      quantize_row(xp + m * K, K, q.data(), d.data(), s.data());
+      for (int64_t k = 0; k < K; ++k) op[m * K + k] = float(q[k]) * d[k / BLOCK];
+    }
+  });
+  return out;
 }
 
-TORCH_LIBRARY_IMPL(sglz_quant_a8_cpu, CPU, m) { m.impl("quant_gemv_a8", &quant_gemv_a8); }
+TORCH_LIBRARY(sglz_quant_a8_cpu, m) {
+  m.def("quant_gemv_a8(Tensor x, Tensor data, Tensor? bias, int method) -> Tensor");
+  m.def("round_a8(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sglz_quant_a8_cpu, CPU, m) {
+  m.impl("quant_gemv_a8", &quant_gemv_a8);
+  m.impl("round_a8", &round_a8);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}
