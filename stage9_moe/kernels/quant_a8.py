@@ -37,7 +37,7 @@ def load_cpu():
             _ops.append(torch.ops.sglz_quant_a8_cpu)
             torch.library.register_fake("sglz_quant_a8_cpu::quant_gemv_a8")(
                 lambda x, data, bias, method: x.new_empty(x.shape[0], data.shape[0]))
-            torch.library.register_fake("sglz_quant_a8_cpu::round_a8")(lambda x: torch.empty_like(x))
+            torch.library.register_fake("sglz_quant_a8_cpu::round_a8")(torch.empty_like)
         except RuntimeError as e:
             _error.append(f"the CPU int8-activation kernels did not build: {e}")
     if _error:
