@@ -17,6 +17,8 @@ q8_0 and stays so, for the lookup and the LM head. int8 is made here, from the f
 
 The reference matmul dequantizes the weight to float32 and multiplies (`quantized_linear_ref`);
 the kernels (kernels/quant.py) compute the same numbers without the float matrix in memory.
+q4_1_a8 / q8_0_a8 keep the same blocks and round each linear layer's input to int8 per block of 32
+too, as llama.cpp does (part 9.12, kernels/quant_a8.py): lossy, faster on a CPU.
 Not quantized: norms, biases, a MoE layer's experts and router; tp_size 1 only.
 """
 
