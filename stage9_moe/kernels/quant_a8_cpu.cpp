@@ -38,8 +38,9 @@ static inline float half_at(const uint8_t* p) {  // a little-endian fp16 at p, a
   return float(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// One row of x (K floats) -> K int8 q, and per block its scale d and s = d * sum(q).
-static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+// One row of x (K floats) -> K int8 q, and per block b its scale d and s = d * sum(q), side by
+// side: meta[2 b] = d, meta[2 b + 1] = s.
+static void quantize_row(const float* x, int64_t K, int8_t* q, float* meta) {
   for (int64_t b = 0; b < K / BLOCK; ++b) {
     const float* xb = x + b * BLOCK;
     float amax = 0.f;
@@ -51,18 +52,18 @@ static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
       q[b * BLOCK + j] = int8_t(v);
       sum += v;
     }
-    d[b] = db;
-    s[b] = db * float(sum);
+    meta[2 * b] = db;
+    meta[2 * b + 1] = db * float(sum);
   }
 }
 
 struct X8 {  // M rows of x, quantized
   const int8_t* q;      // [M, K]
-  const float* d;       // [M, blocks]
-  const float* s;       // [M, blocks]
   const int8_t* pairs;  // [M, K]: q in the order q4_1_pair unpacks two blocks' weights
   const float* meta;    // [M, blocks, 2]: d and s of each block, side by side
   int64_t K, blocks;
+  float d(int64_t xb) const { return meta[2 * xb]; }
+  float s(int64_t xb) const { return meta[2 * xb + 1]; }
 };
 
 // A pair of blocks b, b+1 of q in q4_1_pair's order: b[0:16], b+1[0:16], b[16:32], b+1[16:32].
@@ -83,11 +84,11 @@ static float block_dot(int64_t method, const uint8_t* row, const X8& x, int64_t 
     const uint8_t* p = row + b * 20;
     for (int j = 0; j < 16; ++j)
       isum += int32_t(p[4 + j] & 0x0F) * xq[j] + int32_t(p[4 + j] >> 4) * xq[j + 16];
-    return half_at(p) * x.d[xb] * float(isum) + half_at(p + 2) * x.s[xb];
+    return half_at(p) * x.d(xb) * float(isum) + half_at(p + 2) * x.s(xb);
   }
   const uint8_t* p = row + b * 34;
   for (int j = 0; j < 32; ++j) isum += int32_t(int8_t(p[2 + j])) * xq[j];
-  return half_at(p) * x.d[xb] * float(isum);
+  return half_at(p) * x.d(xb) * float(isum);
 }
 
 #if defined(SGLZ_VNNI)
@@ -191,7 +192,7 @@ static void row_dot_q8_0(const uint8_t* row, const X8& x, int64_t m0, float* out
       const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + xb * BLOCK));
       const __m256i isum =
           _mm256_dpbusd_epi32(_mm256_setzero_si256(), w_abs, _mm256_sign_epi8(xq, w));
-      a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * x.d[xb]), a[m]);
+      a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * x.d(xb)), a[m]);
     }
   };
   int64_t b = 0;
@@ -227,21 +228,13 @@ torch::Tensor quant_gemv_a8(torch::Tensor x, torch::Tensor data, std::optional<t
   TORCH_CHECK(!bias || (bias->numel() == N && bias->scalar_type() == torch::kFloat),
               "bias must be [N] float32");
   auto xc = x.contiguous();
-  std::vector<int8_t> q(M * K);
-  std::vector<float> d(M * blocks), s(M * blocks);
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row(xc.data_ptr<float>() + m * K, K, q.data() + m * K, d.data() + m * blocks,
-                 s.data() + m * blocks);
-  std::vector<int8_t> pairs(method == Q4_1 ? M * K : 0);
-  std::vector<float> meta(method == Q4_1 ? 2 * M * blocks : 0);
-  for (int64_t m = 0; m < (pairs.empty() ? 0 : M); ++m) {
-    pair_order(q.data() + m * K, blocks, pairs.data() + m * K);
-    for (int64_t b = 0; b < blocks; ++b) {
-      meta[2 * (m * blocks + b)] = d[m * blocks + b];
-      meta[2 * (m * blocks + b) + 1] = s[m * blocks + b];
-    }
+  std::vector<int8_t> q(M * K), pairs(method == Q4_1 ? M * K : 0);
+  std::vector<float> meta(2 * M * blocks);
+  for (int64_t m = 0; m < M; ++m) {
+    quantize_row(xc.data_ptr<float>() + m * K, K, q.data() + m * K, meta.data() + 2 * m * blocks);
+    if (!pairs.empty()) pair_order(q.data() + m * K, blocks, pairs.data() + m * K);
   }
-  const X8 x8{q.data(), d.data(), s.data(), pairs.data(), meta.data(), K, blocks};
+  const X8 x8{q.data(), pairs.data(), meta.data(), K, blocks};
   auto out = torch::empty({M, N}, x.options());
   const uint8_t* dp = static_cast<const uint8_t*>(data.data_ptr());
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
@@ -283,10 +276,10 @@ torch::Tensor round_a8(torch::Tensor x) {
   float* op = out.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     std::vector<int8_t> q(K);
-    std::vector<float> d(blocks), s(blocks);
+    std::vector<float> meta(2 * blocks);
     for (int64_t m = begin; m < end; ++m) {
-      quantize_row(xp + m * K, K, q.data(), d.data(), s.data());
-      for (int64_t k = 0; k < K; ++k) op[m * K + k] = float(q[k]) * d[k / BLOCK];
+      quantize_row(xp + m * K, K, q.data(), meta.data());
+      for (int64_t k = 0; k < K; ++k) op[m * K + k] = float(q[k]) * meta[2 * (k / BLOCK)];
     }
   });
   return out;
