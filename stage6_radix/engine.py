@@ -201,7 +201,6 @@ def plan_kv_pool(device: torch.device, bytes_per_token: int, page_size: int, max
     return KVPoolPlan(tokens // page_size, page_size, bytes_per_token, reason)
 
 
-
 def to_device(lists: list[list[int]], dtype: torch.dtype,
               device: torch.device) -> list[torch.Tensor]:
     """The step's index lists as tensors on `device`: one host buffer (pinned on CUDA) and one
@@ -210,6 +209,7 @@ def to_device(lists: list[list[int]], dtype: torch.dtype,
     flat = torch.tensor([x for xs in lists for x in xs], dtype=dtype,
                         pin_memory=device.type == "cuda")
     return list(flat.to(device, non_blocking=True).split([len(xs) for xs in lists]))
+
 
 class Engine:
 
