@@ -128,12 +128,16 @@ async def send(client, url: str, body: dict, tokenizer) -> Result:
 
 async def run_rate(system: str, url: str, model: str, requests: list[Request], rate: float,
                    max_concurrency: int | None, tokenizer, seed: int) -> tuple[list[Result], float]:
-    """Poisson arrivals at `rate` requests/s (inf: all at once), at most max_concurrency in flight."""
+    """Poisson arrivals at `rate` requests/s (inf: all at once), at most max_concurrency in flight. Every rate sends
+    the same requests, so a stage 8 server's prefix cache is emptied first (POST /flush_cache): otherwise each rate
+    after the first would find its prompts cached and skip their prefill, which `transformers serve` cannot."""
     import httpx
 
     rng = random.Random(seed)
     limit = asyncio.Semaphore(max_concurrency or len(requests))
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=len(requests) + 4)) as client:
+        if system.startswith("stage8"):
+            (await client.post(f"{url}/flush_cache", timeout=REQUEST_TIMEOUT_S)).raise_for_status()
         async def one(req: Request, delay: float) -> Result:
             await asyncio.sleep(delay)
             async with limit:
