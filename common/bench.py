@@ -261,7 +261,12 @@ def main(argv: list[str] | None = None) -> None:
                          help="with --peers: the course's attention backend (cpu: prefill and decode read the paged "
                               "cache in place, C++ kernels; torch: gather, then SDPA)")
     offline.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    offline.add_argument("--preload", choices=["advised", "none"], default="advised",
+                         help="with --peers: the LD_PRELOAD of the course's and vLLM's processes alike: 'advised' "
+                              "(tcmalloc and Intel OpenMP, as vLLM's and SGLang's CPU docs advise) or 'none'")
     offline.add_argument("--repeats", type=int, default=2, help="with --peers: best of this many runs each")
+    offline.add_argument("--rounds", type=int, default=1,
+                         help="with --peers: run every system this many times in turn, each a fresh process")
     offline.add_argument("--batch1-tokens", type=int, default=128, help="with --peers: tokens of batch-1 decode")
     offline.add_argument("--quantization", nargs="+", choices=["q4_1", "q4_1_a8"], default=None,
                          help="with --peers: the course's stages load SmolLM2's Q4_1 GGUF file with each of "

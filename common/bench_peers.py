@@ -20,6 +20,7 @@ import json
 import os
 import select
 import subprocess
+import sys
 import tarfile
 import tempfile
 import time
@@ -29,7 +30,8 @@ from common.models import CACHE_DIR
 
 PEERS_DIR = CACHE_DIR / "peers"
 GGUF_DIR = CACHE_DIR / "gguf"
-RUNNER = Path(__file__).resolve().parent / "peer_runner.py"
+ROOT = Path(__file__).resolve().parent.parent
+RUNNER = ROOT / "common" / "peer_runner.py"
 VLLM_VERSION, LLAMA_CPP_VERSION = "0.32.0", "0.3.36"
 PROBE_GIB, PROBE_REPEATS = 0.5, 5  # the copy beside each batch-1 run: 5 GiB moved, ~0.1 s
 TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
@@ -107,30 +109,41 @@ def ensure_gguf(model_name: str, folder: Path) -> Path:
     return out
 
 
-def peer_env(name: str, threads: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    if name == "vllm":
-        # All cores compute (its default keeps one for the scheduler); tcmalloc and its own OpenMP, as its CPU
-        # docs advise.
+def advised_preload() -> str:
+    """LD_PRELOAD as vLLM's and SGLang's CPU docs advise: tcmalloc and Intel's OpenMP (the one in vLLM's venv)."""
+    preload = [p for p in TCMALLOC if os.path.exists(p)][:1]
+    preload += glob.glob(str(PEERS_DIR / "vllm" / "lib" / "libiomp5.so"))
+    return ":".join(preload)
+
+
+def system_env(name: str, threads: int, preload: str) -> dict:
+    """The environment of a measured process: the course's ("course") or a peer's. vLLM and the course get the same
+    LD_PRELOAD (`--preload`); llama.cpp runs its own build as it is."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PYTHONPATH") or name == "course"}
+    env.pop("LD_PRELOAD", None)
+    if preload and name in ("course", "vllm"):
+        env["LD_PRELOAD"] = preload
+    if name == "vllm":  # all cores compute (its default keeps one for the scheduler)
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="4")
-        preload = [p for p in TCMALLOC if os.path.exists(p)][:1]
-        preload += glob.glob(str(PEERS_DIR / "vllm" / "lib" / "libiomp5.so"))
-        env["LD_PRELOAD"] = ":".join(preload)
     return env
 
 
-def run_peer(name: str, request: dict, timeout: float = 3600) -> dict:
+def run_peer(name: str, request: dict, preload: str = "", timeout: float = 3600) -> dict:
     """Run one peer on `request` (peer_runner.py's format) in its own process; -> its result. While it runs, this
     process answers its requests for the copy bandwidth (the peer waits meanwhile), so that every system's batch-1
-    runs are measured against the bandwidth of their own moment, by the same code."""
-    py = {"vllm": ensure_vllm, "llama.cpp": ensure_llama_cpp}[name]()
+    runs are measured against the bandwidth of their own moment, by the same code. name "course": one of the
+    course's stages (`run_course`'s arguments as the request), in a fresh process of this python."""
+    if name == "course":
+        cmd, cwd = [sys.executable, "-m", "common.bench_peers"], ROOT
+    else:
+        cmd, cwd = [str({"vllm": ensure_vllm, "llama.cpp": ensure_llama_cpp}[name]()), str(RUNNER), name], None
     with tempfile.TemporaryDirectory() as tmp:
         req_path, res_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req_path.write_text(json.dumps(request))
         with open(Path(tmp) / "stderr.txt", "w+") as err:
             proc, from_child, to_child = popen_with_channel(
-                [str(py), str(RUNNER), name, str(req_path), str(res_path)], cwd=tmp,
-                env=peer_env(name, request["threads"]), stdout=subprocess.DEVNULL, stderr=err)
+                [*cmd, str(req_path), str(res_path)], cwd=cwd or tmp,
+                env=system_env(name, request["threads"], preload), stdout=subprocess.DEVNULL, stderr=err)
             answer_bandwidth_requests(proc, from_child, to_child, time.monotonic() + timeout)
             err.seek(0)
             stderr = err.read()
@@ -247,12 +260,14 @@ def bench_peers(args) -> None:
     b1_prompt = mixed_workload(tok, 1, 1, seed=3, min_prompt=128, max_prompt=128).prompts[0]
     batch1 = {"prompt": b1_prompt, "new_tokens": args.batch1_tokens}
     threads = torch.get_num_threads()
+    preload = advised_preload() if args.preload == "advised" else ""
     header(f"vs the CPU peers: {args.model}, {args.num_requests} requests, {sum(map(len, work.prompts))} prompt "
            f"tokens, {work.output_tokens} output tokens; batch-1 decode of {args.batch1_tokens} tokens after a "
            f"128-token prompt; best of {args.repeats}; "
            + ("every system with its default options" if args.defaults else "the course with its tuned options, "
-              "vLLM without prefix caching"))
-    rows: list[dict] = []
+              "vLLM without prefix caching")
+           + f"; the course and vLLM each in a fresh process with LD_PRELOAD={preload or '(none)'}")
+    course_runs = []  # (dtype, label, stage, options, path): every course engine asked for, in order
     for dtype in args.dtypes:
         for stage_name in args.stages:
             if args.defaults:  # as a new user runs it: LLM(model, dtype=...)
@@ -261,32 +276,55 @@ def bench_peers(args) -> None:
                 options = course_options(stage_name, args.attention_backend, args.num_requests, not args.no_compile)
                 compiled = " +compile" if options.get("enable_torch_compile") else ""
                 label = f"{stage_name} {options.get('attention_backend', 'default')}{compiled}"
-            for q in quantizations or [None]:  # each quantization asked for, one after the other
-                run_options, run_label = options, label
-                if q:
-                    run_options, run_label = {**options, "quantization": q}, f"{label} {q}"
-                start = time.perf_counter()
-                r = run_course(stage_name, gguf_file if q else path, dtype, work, batch1, args.repeats,
-                               run_options)
-                rows.append({"system": run_label, "dtype": dtype, **r})
-                print(f"   {run_label} {dtype}: done ({time.perf_counter() - start:.0f} s with start-up)",
-                      flush=True)
-        for peer in args.peers:
-            if peer == "llama.cpp" and dtype != "float32":
-                continue  # the F32 GGUF: the course's weights unquantised
-            request = {"model": path, "dtype": dtype, "threads": threads, "repeats": args.repeats,
-                       "defaults": args.defaults,
-                       "warmup": {"prompts": work.prompts[:2], "max_new_tokens": [2, 2]}, "batch1": batch1,
-                       "offline": None if peer == "llama.cpp" else {"prompts": work.prompts,
-                                                                     "max_new_tokens": work.max_new_tokens}}
-            if peer == "llama.cpp":
-                request["gguf"] = gguf_file if quantization else str(ensure_gguf(args.model, folder))
-            r = run_peer(peer, request)
-            # the same file (llama.cpp rounds activations to int8 per block itself: its Q8_1)
-            system = f"{peer} {quantization.removesuffix('_a8')}" if quantization and peer == "llama.cpp" else peer
-            rows.append({"system": system, "dtype": dtype, "weight_bytes": rows[-1]["weight_bytes"], **r})
-            print(f"   {peer} {dtype}: done (start-up {r['startup_s']:.0f} s, not timed)", flush=True)
+            course_runs += [(dtype, label, stage_name, options, path)] if not quantizations else [
+                (dtype, f"{label} {q}", stage_name, {**options, "quantization": q}, gguf_file) for q in quantizations]
+
+    def run_course_process(dtype: str, label: str, stage_name: str, options: dict, model: str) -> dict:
+        start = time.perf_counter()
+        r = run_peer("course", {"stage": stage_name, "path": model, "dtype": dtype, "prompts": work.prompts,
+                                "max_new_tokens": work.max_new_tokens, "batch1": batch1, "repeats": args.repeats,
+                                "options": options, "threads": threads}, preload)
+        print(f"   {label} {dtype}: done ({time.perf_counter() - start:.0f} s with start-up)", flush=True)
+        return {"system": label, "dtype": dtype, **r}
+
+    def run_peer_process(peer: str, dtype: str, weight_bytes: int) -> dict:
+        request = {"model": path, "dtype": dtype, "threads": threads, "repeats": args.repeats,
+                   "defaults": args.defaults, "warmup": {"prompts": work.prompts[:2], "max_new_tokens": [2, 2]},
+                   "batch1": batch1, "offline": None if peer == "llama.cpp" else {
+                       "prompts": work.prompts, "max_new_tokens": work.max_new_tokens}}
+        if peer == "llama.cpp":
+            request["gguf"] = gguf_file if quantization else str(ensure_gguf(args.model, folder))
+        r = run_peer(peer, request, preload)
+        print(f"   {peer} {dtype}: done (start-up {r['startup_s']:.0f} s, not timed)", flush=True)
+        # the same file (llama.cpp rounds activations to int8 per block itself: its Q8_1)
+        system = f"{peer} {quantization.removesuffix('_a8')}" if quantization and peer == "llama.cpp" else peer
+        return {"system": system, "dtype": dtype, "weight_bytes": weight_bytes, **r}
+
+    rows: list[dict] = []
+    for _ in range(args.rounds):  # every system once a round (A B A B): drift reaches each alike
+        for dtype in args.dtypes:
+            rows += [run_course_process(*run) for run in course_runs if run[0] == dtype]
+            # llama.cpp: the F32 GGUF, the course's weights unquantised (or the Q4_1 file): float32 only
+            rows += [run_peer_process(peer, dtype, rows[-1]["weight_bytes"]) for peer in args.peers
+                     if peer != "llama.cpp" or dtype == "float32"]
+    rows = merge_rounds(rows)
     print_peer_table(rows, work.output_tokens, args.batch1_tokens)
+
+
+def merge_rounds(rows: list[dict]) -> list[dict]:
+    """One row per (system, dtype), its runs from every round together (their tokens from the first)."""
+    merged: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["system"], r["dtype"])
+        if key not in merged:
+            merged[key] = json.loads(json.dumps(r))
+            continue
+        m = merged[key]
+        if r.get("offline"):
+            m["offline"]["seconds"] += r["offline"]["seconds"]
+        for field in ("decode_s", "copy_bandwidth"):
+            m["batch1"][field] = (m["batch1"].get(field) or []) + (r["batch1"].get(field) or [])
+    return list(merged.values())
 
 
 def print_peer_table(rows: list[dict], output_tokens: int, batch1_tokens: int) -> None:
@@ -317,6 +355,10 @@ def print_peer_table(rows: list[dict], output_tokens: int, batch1_tokens: int) -
         print(f"   {r['system']:30s} {r['dtype']:9s} {cell(tps, 13)} {ratio(tps, peer_tps)} {b1:13.1f} "
               f"{ratio(b1, peer_b1)} {cell(bandwidth and bandwidth / 1e9, 9)} {cell(limit, 11)} {ratio(b1, limit)}  "
               f"{same_off}, {'identical' if same_b1 else 'differ'}")
+    for r in rows:  # every offline run, in the order they ran (rounds one after the other)
+        if r.get("offline"):
+            runs = ", ".join(f"{output_tokens / s:.1f}" for s in r["offline"]["seconds"])
+            print(f"   offline runs, tok/s: {r['system']} {r['dtype']}: {runs}")
     for r in rows:  # every batch-1 run: the machine's bandwidth moves, and the share of it with it
         bandwidths = r["batch1"].get("copy_bandwidth") or []
         runs = [f"{batch1_tokens / s:.1f} at {bw / 1e9:.1f} ({batch1_tokens / s * r['weight_bytes'] / bw:.2f}x)"
@@ -326,3 +368,17 @@ def print_peer_table(rows: list[dict], output_tokens: int, batch1_tokens: int) -
     print("   copy GB/s: a 512 MiB tensor copy (bytes read + written), measured right before and right after that "
           "system's best batch-1 run (the mean); limit tok/s: that bandwidth / the weight bytes a decode step reads; "
           "tokens compared with the course's last stage listed, in the same dtype")
+
+
+def main(argv: list[str]) -> None:
+    """The child side of run_peer("course", ...): REQUEST.json RESULT.json [the bandwidth channel's two fds]."""
+    from common.bench_utils import Workload
+
+    req = json.loads(Path(argv[0]).read_text())
+    work = Workload(req["prompts"], req["max_new_tokens"])
+    result = run_course(req["stage"], req["path"], req["dtype"], work, req["batch1"], req["repeats"], req["options"])
+    Path(argv[1]).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

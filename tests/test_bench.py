@@ -187,3 +187,54 @@ def test_chunked_prefill_bench_times_each_size_and_compares_tokens(capsys):
                          r"([\d.]+) s\s+([\d.]+) output tok/s", out)
         assert line and all(float(x) > 0 for x in line.groups()), out
     assert "float32   the same tokens at every size: yes" in out, out
+
+
+def test_course_runs_in_a_fresh_process_with_the_same_preload_as_vllm(monkeypatch):
+    """`bench offline --peers`: the course's stage runs in a child process with the LD_PRELOAD vLLM gets (so that
+    neither system is measured in an environment the other lacks), and returns what an in-process run returns."""
+    from transformers import AutoTokenizer
+
+    from common import bench_peers
+    from common.bench_utils import mixed_workload
+    from common.models import resolve_model
+
+    monkeypatch.setenv("LD_PRELOAD", "/stale/lib.so")
+    for name in ("course", "vllm", "llama.cpp"):
+        env = bench_peers.system_env(name, 2, "/x/libtcmalloc.so:/x/libiomp5.so")
+        assert env.get("LD_PRELOAD") == (None if name == "llama.cpp" else "/x/libtcmalloc.so:/x/libiomp5.so")
+        assert bench_peers.system_env(name, 2, "").get("LD_PRELOAD") is None
+    monkeypatch.delenv("LD_PRELOAD")
+
+    path = str(resolve_model("tiny-llama"))
+    work = mixed_workload(AutoTokenizer.from_pretrained(path), 3, 4, seed=1, max_prompt=32)
+    batch1 = {"prompt": work.prompts[0], "new_tokens": 4}
+    request = {"stage": "stage4_scheduler", "path": path, "dtype": "float32", "prompts": work.prompts,
+               "max_new_tokens": work.max_new_tokens, "batch1": batch1, "repeats": 1,
+               "options": {"max_running_requests": 3}, "threads": 1}
+    child = bench_peers.run_peer("course", request)
+    here = bench_peers.run_course("stage4_scheduler", path, "float32", work, batch1, 1, {"max_running_requests": 3})
+    assert child["offline"]["token_ids"] == here["offline"]["token_ids"]
+    assert [len(t) for t in child["offline"]["token_ids"]] == work.max_new_tokens
+    assert child["batch1"]["token_ids"] == here["batch1"]["token_ids"]
+    assert len(child["batch1"]["token_ids"]) == 5 and child["weight_bytes"] == here["weight_bytes"] > 0
+
+
+def test_rounds_are_merged_per_system_every_run_kept(capsys):
+    """`--rounds N`: each system runs N times in turn; its rows become one, with every run's timings (the table takes
+    the best of them all and lists each)."""
+    from common.bench_peers import merge_rounds, print_peer_table
+
+    def row(system, offline_s, decode_s):
+        return {"system": system, "dtype": "float32", "weight_bytes": 1e8,
+                "offline": {"seconds": [offline_s], "token_ids": [[1, 2]]},
+                "batch1": {"prefill_s": 0.1, "decode_s": [decode_s], "copy_bandwidth": [2e10], "token_ids": [3]}}
+
+    rows = merge_rounds([row("stage9_moe defaults", 2.0, 1.0), row("vllm", 4.0, 2.0),
+                         row("stage9_moe defaults", 1.0, 0.5), row("vllm", 5.0, 4.0)])
+    assert [(r["system"], r["offline"]["seconds"], r["batch1"]["decode_s"]) for r in rows] == [
+        ("stage9_moe defaults", [2.0, 1.0], [1.0, 0.5]), ("vllm", [4.0, 5.0], [2.0, 4.0])]
+    print_peer_table(rows, output_tokens=100, batch1_tokens=10)
+    out = capsys.readouterr().out
+    assert "offline runs, tok/s: stage9_moe defaults float32: 50.0, 100.0" in out, out
+    assert "offline runs, tok/s: vllm float32: 25.0, 20.0" in out, out
+    assert "  4.00x" in out, out  # best against best: 100 / 25 tok/s
