@@ -331,13 +331,16 @@ static void attend_avx512(const Item<T>& it, const Cache& kc, const Cache& vc, i
       // The next block's rows of this head lie on other pages, anywhere in the pool: ask for them
       // while this head's rows compute. A head at a time, spread over the block's work: asking
       // for every head's rows at once queued more misses than the core tracks, and measured
-      // slower (stage 4's README, "CPU kernels, and bfloat16": 496 -> 392 / 298 -> 220 us).
+      // slower (PERFORMANCE.md, "The CPU kernels and bfloat16": 496 -> 392 / 298 -> 220 us).
+      // Into L2 (T1), not L1 (T0): a block's 64 lines are more than L1 tracks in flight; decode
+      // of 60 requests (`python -m common.bench cpu-attention --batch 60`): 592 -> 416 us in
+      // bfloat16, 998 -> 775 us in float32.
       for (int64_t p = first + BLOCK; p < std::min(first + 2 * BLOCK, max_len); ++p) {
         const T* k = token_row<T>(kc, it.pages, p, page_size) + kvh * kc.head;
         const T* v = token_row<T>(vc, it.pages, p, page_size) + kvh * vc.head;
         for (int64_t b = 0; b < D * int64_t(sizeof(T)); b += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(k) + b, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(v) + b, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(k) + b, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(v) + b, _MM_HINT_T1);
         }
       }
       block_rows<T, D>(krow, vrow, kvh * kc.head, kvh * vc.head, n, kbuf, vbuf, kp, vp);
