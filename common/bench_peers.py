@@ -10,7 +10,8 @@ own under the course's cache (they pin their own torch / their own C++ build; th
     <cache>/gguf/<model>-f32.gguf  the course's converted folder as an F32 GGUF, made once
 
 Each is created on first use. A peer runs `common/peer_runner.py` with its environment's python, in a process of its
-own (its start-up is not timed), and hands back its timings and tokens as JSON.
+own (its start-up is not timed), and hands back its timings and tokens as JSON. The course's stages run the same
+way (`python -m common.bench_peers REQUEST RESULT`), with the same LD_PRELOAD as vLLM.
 """
 
 from __future__ import annotations
@@ -119,8 +120,7 @@ def advised_preload() -> str:
 def system_env(name: str, threads: int, preload: str) -> dict:
     """The environment of a measured process: the course's ("course") or a peer's. vLLM and the course get the same
     LD_PRELOAD (`--preload`); llama.cpp runs its own build as it is."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PYTHONPATH") or name == "course"}
-    env.pop("LD_PRELOAD", None)
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and (k != "PYTHONPATH" or name == "course")}
     if preload and name in ("course", "vllm"):
         env["LD_PRELOAD"] = preload
     if name == "vllm":  # all cores compute (its default keeps one for the scheduler)
