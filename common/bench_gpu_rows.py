@@ -238,7 +238,6 @@ def all_threads():
         return None
 
 
-
 def timed_steps(sched, steps: int, dev: str) -> float:
     """Seconds for `steps` scheduler steps, the last one's device work finished."""
     start = time.perf_counter()
@@ -247,6 +246,7 @@ def timed_steps(sched, steps: int, dev: str) -> float:
     sched.drain()
     sync(dev)
     return time.perf_counter() - start
+
 
 def profile_steps(sched, steps: int, dev: str) -> dict:
     """Run `steps` more decode steps under torch.profiler -> busy: the fraction of their wall time in which some

@@ -16,6 +16,7 @@ way (`python -m common.bench_peers REQUEST RESULT`), with the same LD_PRELOAD as
 
 from __future__ import annotations
 
+import copy
 import glob
 import json
 import os
@@ -204,8 +205,11 @@ def course_options(stage_name: str, attention_backend: str, num_requests: int, c
     return options
 
 
-def run_course(stage_name: str, path: str, dtype: str, work, batch1, repeats: int, options: dict) -> dict:
-    """One of the course's engines through the same calls as a peer: warm-up, the offline workload, batch-1."""
+def run_course(stage_name: str, path: str, dtype: str, work, batch1, repeats: int, options: dict,
+               measure_bandwidth=None) -> dict:
+    """One of the course's engines through the same calls as a peer: warm-up, the offline workload, batch-1. The
+    copy bandwidth beside each batch-1 run: measure_bandwidth() (in run_peer's child: asked of the parent, as a
+    peer asks), else measured in this process."""
     import importlib
 
     from common.bench_utils import Workload, copy_bandwidth, run_stage, warm_up
@@ -223,7 +227,7 @@ def run_course(stage_name: str, path: str, dtype: str, work, batch1, repeats: in
         one = Workload([batch1["prompt"]], [1])
         many = Workload([batch1["prompt"]], [1 + batch1["new_tokens"]])
         prefill = min(run_stage(stage_name, llm, one)[0] for _ in range(repeats))
-        measure = lambda: copy_bandwidth("cpu", gib=PROBE_GIB, repeats=PROBE_REPEATS)  # noqa: E731
+        measure = measure_bandwidth or (lambda: copy_bandwidth("cpu", gib=PROBE_GIB, repeats=PROBE_REPEATS))
         decode = []  # [(seconds, token ids, copy bandwidth)], as in peer_runner.py
         for _ in range(repeats):
             _, (seconds, ids), bandwidth = timed_with_bandwidth(lambda: run_stage(stage_name, llm, many), measure)
@@ -317,7 +321,7 @@ def merge_rounds(rows: list[dict]) -> list[dict]:
     for r in rows:
         key = (r["system"], r["dtype"])
         if key not in merged:
-            merged[key] = json.loads(json.dumps(r))
+            merged[key] = copy.deepcopy(r)
             continue
         m = merged[key]
         if r.get("offline"):
@@ -373,10 +377,13 @@ def print_peer_table(rows: list[dict], output_tokens: int, batch1_tokens: int) -
 def main(argv: list[str]) -> None:
     """The child side of run_peer("course", ...): REQUEST.json RESULT.json [the bandwidth channel's two fds]."""
     from common.bench_utils import Workload
+    from common.peer_runner import ask_bandwidth, open_channel
 
     req = json.loads(Path(argv[0]).read_text())
     work = Workload(req["prompts"], req["max_new_tokens"])
-    result = run_course(req["stage"], req["path"], req["dtype"], work, req["batch1"], req["repeats"], req["options"])
+    channel = open_channel(argv[2:])
+    result = run_course(req["stage"], req["path"], req["dtype"], work, req["batch1"], req["repeats"], req["options"],
+                        measure_bandwidth=channel and (lambda: ask_bandwidth(channel)))
     Path(argv[1]).write_text(json.dumps(result))
 
 

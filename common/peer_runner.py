@@ -80,6 +80,11 @@ class LlamaCppPeer:
 PEERS = {"vllm": VLLMPeer, "llama.cpp": LlamaCppPeer}
 
 
+def open_channel(fds: list[str]):
+    """The pipe to and from the parent, from the last two arguments (its descriptors); None without them."""
+    return (os.fdopen(int(fds[0]), "w"), os.fdopen(int(fds[1]))) if len(fds) == 2 else None
+
+
 def ask_bandwidth(channel) -> float | None:
     """Bytes/s of a copy measured now by the parent, this process idle; None without a parent to ask."""
     if channel is None:
@@ -101,7 +106,7 @@ def timed_with_bandwidth(fn, measure_bandwidth):
 
 def main(argv: list[str]) -> None:
     name, request_path, result_path = argv[:3]
-    channel = (os.fdopen(int(argv[3]), "w"), os.fdopen(int(argv[4]))) if len(argv) == 5 else None
+    channel = open_channel(argv[3:])
     req = json.loads(open(request_path).read())
     startup, peer = timed(lambda: PEERS[name](req))
     result: dict = {"startup_s": startup}

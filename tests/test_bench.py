@@ -194,7 +194,7 @@ def test_course_runs_in_a_fresh_process_with_the_same_preload_as_vllm(monkeypatc
     neither system is measured in an environment the other lacks), and returns what an in-process run returns."""
     from transformers import AutoTokenizer
 
-    from common import bench_peers
+    from common import bench_peers, bench_utils
     from common.bench_utils import mixed_workload
     from common.models import resolve_model
 
@@ -211,12 +211,16 @@ def test_course_runs_in_a_fresh_process_with_the_same_preload_as_vllm(monkeypatc
     request = {"stage": "stage4_scheduler", "path": path, "dtype": "float32", "prompts": work.prompts,
                "max_new_tokens": work.max_new_tokens, "batch1": batch1, "repeats": 1,
                "options": {"max_running_requests": 3}, "threads": 1}
+    monkeypatch.setattr(bench_utils, "copy_bandwidth", lambda *args, **kwargs: 123.0)
     child = bench_peers.run_peer("course", request)
+    monkeypatch.undo()
     here = bench_peers.run_course("stage4_scheduler", path, "float32", work, batch1, 1, {"max_running_requests": 3})
     assert child["offline"]["token_ids"] == here["offline"]["token_ids"]
     assert [len(t) for t in child["offline"]["token_ids"]] == work.max_new_tokens
     assert child["batch1"]["token_ids"] == here["batch1"]["token_ids"]
     assert len(child["batch1"]["token_ids"]) == 5 and child["weight_bytes"] == here["weight_bytes"] > 0
+    # its batch-1 run got the copy bandwidth from the parent, as a peer's do (the parent's probe here says 123)
+    assert child["batch1"]["copy_bandwidth"] == [123.0]
 
 
 def test_rounds_are_merged_per_system_every_run_kept(capsys):
