@@ -16,6 +16,7 @@
     python -m common.bench grammar [--batch-sizes 1 32] [--device cpu|cuda]  stage 8 structured outputs' mask
     python -m common.bench moe    [--device cpu|cuda] [--repeats 5]        stage 9 MoE layer paths; dense vs MoE LLM
     python -m common.bench gemv   [--rows 1|2] [--repeats 6]      stage 9 gemv vs oneDNN, one batch-1 step's products
+    python -m common.bench weight-pages [--rows 1 16 64]          stage 5 weights in 4 KB vs 2 MB pages, one step's products
     python -m common.bench progression [--num-requests 32] [--out DIR]  one workload through stages 1-9 and HF
     python -m common.bench speculative [--algorithms NGRAM] [--batch-sizes 1 8]  stage 9 speculative decoding
 
@@ -279,7 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     overlap.add_argument("--repeats", type=int, default=3)
     # later stages' benchmarks live in their own modules
     from common import (bench_chunked, bench_cpu_attention, bench_gemv, bench_grammar, bench_moe, bench_profile,
-                        bench_progression, bench_prompt_logprobs, bench_radix, bench_serving, bench_tp)
+                        bench_progression, bench_prompt_logprobs, bench_radix, bench_serving, bench_tp,
+                        bench_weight_pages)
 
     bench_radix.add_parser(sub)
     bench_tp.add_parser(sub)
@@ -288,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     bench_grammar.add_parser(sub)
     bench_moe.add_parser(sub)
     bench_gemv.add_parser(sub)
+    bench_weight_pages.add_parser(sub)
     bench_cpu_attention.add_parser(sub)
     bench_chunked.add_parser(sub)
     bench_progression.add_parser(sub)

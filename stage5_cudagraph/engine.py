@@ -27,7 +27,7 @@ import torch
 from .attention import ForwardBatch, create_backend
 from .core import Batch
 from .graph import CompiledRunner, GraphRunner, can_capture
-from .kv_cache import PageTable, PagedKVPool
+from .kv_cache import HUGE_PAGE, PageTable, PagedKVPool, advise_huge_pages
 from .layers import pack_linear_weights
 from .models import ModelConfig, build_model
 from .tokenizer import read_eos_token_ids
@@ -73,6 +73,32 @@ def keep_freed_memory_in_heap() -> None:
         M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
         libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
         libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+
+
+def weights_into_huge_pages(model: torch.nn.Module) -> None:
+    """Move the model's weights, packed and plain, into 2 MB pages (kv_cache.advise_huge_pages).
+
+    A decode step reads every weight once, from memory: hundreds of MB, far more than the caches
+    hold. With 4 KB pages that is a page-table walk every 4 KB, which stalls the matmuls; the CPU's
+    address cache covers ~1000x more memory with 2 MB pages. Weights are written (loaded, packed)
+    before they can be advised, so they are collapsed in place, a copy of each at start-up.
+    Measured on a 2-core EPYC (`python -m common.bench weight-pages`): the products of one decode
+    step take 21% less time with one row, 8% less with 64, in float32. Tensors lying within 2 MB
+    of each other are advised as one span, so that the many small ones share pages."""
+    spans: list[list[int]] = []
+    for t in sorted(list(model.parameters()) + list(model.buffers()), key=data_address):
+        start = data_address(t)
+        end = start + (torch.ops.mkldnn._nbytes(t) if t.is_mkldnn else t.nbytes)
+        if spans and start - spans[-1][1] < HUGE_PAGE:
+            spans[-1][1] = max(spans[-1][1], end)
+        else:
+            spans.append([start, end])
+    for start, end in spans:
+        advise_huge_pages(start, end, collapse=True)
+
+
+def data_address(t: torch.Tensor) -> int:
+    return torch.ops.mkldnn.data_ptr(t) if t.is_mkldnn else t.data_ptr()
 
 
 @dataclass
@@ -260,6 +286,8 @@ class Engine:
         self.load_stats = load_weights(self.model, model_path, progress=progress)
         # On a CPU, oneDNN's layout for every matmul weight (layers.py): the same products, faster
         self.packed_weights = pack_linear_weights(self.model)
+        if self.device.type == "cpu":
+            weights_into_huge_pages(self.model)
 
         # The KV pool is sized once, after the weights are in memory: every page any request will
         # ever use is here.
