@@ -18,7 +18,7 @@ import time
 
 def huge_fraction(tensors) -> float:
     """The share of the tensors' bytes that lie in VMAs backed by 2 MB pages, weighted by each VMA's share."""
-    import torch
+    from stage5_cudagraph.engine import byte_span
 
     vmas, current = [], None
     with open("/proc/self/smaps") as smaps:
@@ -31,12 +31,10 @@ def huge_fraction(tensors) -> float:
             elif first == "AnonHugePages:" and current is not None:
                 current[2] = int(line.split()[1]) * 1024
     total = huge = 0
-    for t in tensors:
-        start = torch.ops.mkldnn.data_ptr(t) if t.is_mkldnn else t.data_ptr()
-        nbytes = torch.ops.mkldnn._nbytes(t) if t.is_mkldnn else t.nbytes
+    for start, end in map(byte_span, tensors):
         lo, hi, in_huge = next((v for v in vmas if v[0] <= start < v[1]), (0, 1, 0))
-        total += nbytes
-        huge += nbytes * min(1.0, in_huge / (hi - lo))
+        total += end - start
+        huge += (end - start) * min(1.0, in_huge / (hi - lo))
     return huge / total
 
 
